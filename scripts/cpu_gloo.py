@@ -1,0 +1,95 @@
+"""Linear net on MNIST as 4 CPU processes in one gloo group (tutorial 004), through Hugging Face Accelerate.
+
+The tutorial set MASTER_ADDR/PORT and spawned the processes itself; here the launcher does both:
+    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/cpu_gloo.py
+    accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 scripts/cpu_gloo.py
+One process, no group:  python scripts/cpu_gloo.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
+from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+
+
+class SimpleNet(nn.Module):
+    """One Linear layer from the 784 pixels to 10 logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+
+def parse_args(argv=None):
+    parser = cli.training_parser(__doc__, name="cpu_gloo", num_epochs=5, batch_size=64, lr=0.01, eval_batch_size=1000)
+    cli.add_num_workers(parser)
+    parser.add_argument("--log_interval", type=cli.positive_int, default=100, help="batches between per-rank loss lines")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = Accelerator(
+        cpu=True,  # this tutorial is about CPU processes over gloo, even on a machine with GPUs
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # The shuffle order depends only on the seed and the epoch, identically on every process.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+    )
+    set_seed(args.seed)
+    output_dir = outputs.prepare_output_dir(args, accelerator)
+
+    train_set, test_set = data.mnist_datasets("MNIST", args.data_dir, accelerator)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
+    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
+
+    model = SimpleNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+    # prepare() wraps the model in DDP and gives each process a disjoint shard of each loader.
+    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, test_loader, scheduler
+    )
+
+    rank = accelerator.process_index
+    metrics_log = outputs.MetricsLog(output_dir, accelerator)
+    for epoch in range(1, args.num_epochs + 1):
+        model.train()
+        train_loader.set_epoch(epoch)
+        stats = metrics.EpochStats(accelerator)
+        for batch_idx, (images, labels) in enumerate(tqdm(train_loader, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)):
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(images), labels)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats.add(loss, len(labels))
+            if batch_idx % args.log_interval == 0:  # every rank reports its own loss, as in the tutorial
+                print(f"Rank: {rank}, Epoch: {epoch}, Batch: {batch_idx}, Loss: {loss.item():.4f}", flush=True)
+        scheduler.step()
+
+        train_metrics = stats.finish()  # summed over all ranks
+        eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
+        record = metrics_log.write(epoch, train_metrics, eval_metrics)
+        accelerator.print(metrics.epoch_line(record, args.num_epochs))
+
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)

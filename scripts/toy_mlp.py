@@ -1,0 +1,104 @@
+"""Toy 2-feature MLP on 5 built-in training rows (tutorial 003), data-parallel through Hugging Face Accelerate.
+
+Run on one process:           python scripts/toy_mlp.py
+On 2 CPU processes (gloo):    accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 scripts/toy_mlp.py
+From a notebook:              notebook_launcher(main, args=([],), num_processes=2)   (see the README)
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
+from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+
+X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
+Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
+X_TEST = torch.tensor([[-0.8, 2.8], [2.6, -1.6]])
+Y_TEST = torch.tensor([0, 1])
+
+
+class NeuralNetwork(torch.nn.Module):
+    """A multilayer perceptron with two hidden layers: num_inputs -> 30 -> 20 -> num_outputs."""
+
+    def __init__(self, num_inputs=2, num_outputs=2):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(num_inputs, 30),
+            torch.nn.ReLU(),
+            torch.nn.Linear(30, 20),
+            torch.nn.ReLU(),
+            torch.nn.Linear(20, num_outputs),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def parse_args(argv=None):
+    parser = cli.training_parser(__doc__, name="toy_mlp", num_epochs=3, batch_size=2, lr=0.5, eval_batch_size=2, seed=123)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = Accelerator(
+        cpu=runtime.cpu_only(),
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # The shuffle order depends only on the seed and the epoch, identically on every process.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+    )
+    set_seed(args.seed)
+    data.check_world_size(len(Y_TRAIN), accelerator, "toy_mlp's training set")
+    output_dir = outputs.prepare_output_dir(args, accelerator)
+
+    train_set, test_set = TensorDataset(X_TRAIN, Y_TRAIN), TensorDataset(X_TEST, Y_TEST)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    train_eval_loader = DataLoader(train_set, batch_size=args.eval_batch_size)
+    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
+
+    model = NeuralNetwork(num_inputs=2, num_outputs=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+    # prepare() puts every tensor on the right device, so accuracy is never computed on stray CPU
+    # tensors, and shards the loaders so each process sees its own rows.
+    model, optimizer, train_loader, train_eval_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, train_eval_loader, test_loader, scheduler
+    )
+
+    metrics_log = outputs.MetricsLog(output_dir, accelerator)
+    for epoch in range(1, args.num_epochs + 1):
+        model.train()
+        train_loader.set_epoch(epoch)
+        stats = metrics.EpochStats(accelerator)
+        for features, labels in train_loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(features), labels)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats.add(loss, len(labels))
+        scheduler.step()
+
+        # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
+        train_metrics = stats.finish()
+        train_eval = metrics.evaluate(model, train_eval_loader, accelerator, F.cross_entropy, num_classes=2, prefix="train_eval")
+        test_eval = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
+        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval)
+        accelerator.print(metrics.epoch_line(record, args.num_epochs))
+
+    accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)

@@ -1,0 +1,63 @@
+"""The command-line flags every script shares, named as accelerate's own examples name them."""
+
+import argparse
+
+
+def positive_int(text):
+    value = _parse(int, text, "a whole number")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = _parse(float, text, "a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def non_negative_int(text):
+    value = _parse(int, text, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _parse(kind, text, what):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch_size, seed=42, gamma=1.0):
+    """A parser with the shared flags; each script passes the defaults of the tutorial it mirrors."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
+    parser.add_argument("--output_dir", default=f"runs/{name}", help="where metrics.jsonl, model.safetensors and checkpoints go")
+    parser.add_argument("--num_epochs", type=positive_int, default=num_epochs, help="passes over the training set")
+    parser.add_argument("--batch_size", type=positive_int, default=batch_size, help="training batch size per process")
+    parser.add_argument("--eval_batch_size", type=positive_int, default=eval_batch_size, help="evaluation batch size per process")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (the same at every world size)")
+    parser.add_argument("--gamma", type=positive_float, default=gamma, help="learning-rate factor applied after each epoch (1.0 keeps it constant)")
+    parser.add_argument("--seed", type=non_negative_int, default=seed, help="seed for weights, shuffling and every random generator")
+    parser.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+        help="autocast precision; default: the launch profile's, else no",
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps", type=positive_int, default=1,
+        help="batches whose gradients are summed before each optimizer step",
+    )
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true",
+        help="start a new run in an output_dir that already holds one (its files are replaced)",
+    )
+    return parser
+
+
+def add_num_workers(parser):
+    parser.add_argument("--num_workers", type=non_negative_int, default=0, help="DataLoader worker processes per training process")

@@ -1,0 +1,66 @@
+"""Epoch metrics summed over all processes: training loss and throughput, and exact evaluation."""
+
+import time
+
+import torch
+
+
+class EpochStats:
+    """Sums the training loss and sample count of one epoch on this process, without a sync per batch."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.totals = torch.zeros(2, device=accelerator.device)  # loss x samples, samples
+        self.started = time.perf_counter()
+
+    def add(self, loss, batch_size):
+        self.totals[0] += loss.detach().float() * batch_size
+        self.totals[1] += batch_size
+
+    def finish(self):
+        """Mean loss over every process's samples, and the global samples per second."""
+        loss_sum, samples = self.accelerator.reduce(self.totals, reduction="sum").tolist()
+        elapsed = time.perf_counter() - self.started
+        return {
+            "train_loss": loss_sum / max(samples, 1),
+            "train_samples_seen": int(samples),  # the padding of the last batches included
+            "samples_per_sec": samples / elapsed,
+        }
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator, loss_fn, num_classes, prefix="eval"):
+    """Loss and accuracy over the whole eval set, each sample counted exactly once.
+
+    The prepared loader pads the last batches so every process gets the same number;
+    gather_for_metrics drops that padding again.
+    """
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    class_correct = torch.zeros(num_classes, dtype=torch.long, device=accelerator.device)
+    class_total = torch.zeros(num_classes, dtype=torch.long, device=accelerator.device)
+    for inputs, labels in loader:
+        outputs = model(inputs)
+        losses = loss_fn(outputs.float(), labels, reduction="none")
+        hits = outputs.argmax(dim=1) == labels
+        losses, hits, labels = accelerator.gather_for_metrics((losses, hits, labels))
+        loss_sum += losses.sum().item()
+        correct += hits.sum().item()
+        class_total += torch.bincount(labels, minlength=num_classes)
+        class_correct += torch.bincount(labels[hits], minlength=num_classes)
+    model.train()
+    count = int(class_total.sum())
+    return {
+        f"{prefix}_loss": loss_sum / max(count, 1),
+        f"{prefix}_accuracy": correct / max(count, 1),
+        f"{prefix}_samples": count,
+        f"{prefix}_per_class_accuracy": (class_correct / class_total.clamp(min=1)).tolist(),
+    }
+
+
+def epoch_line(record, num_epochs):
+    return (
+        f"epoch {record['epoch']}/{num_epochs}  train_loss {record['train_loss']:.4f}  "
+        f"eval_loss {record['eval_loss']:.4f}  eval_accuracy {record['eval_accuracy']:.4f}  "
+        f"{record['samples_per_sec']:,.0f} samples/s  world_size {record['world_size']}"
+    )

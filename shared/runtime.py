@@ -1,0 +1,40 @@
+"""Process-level plumbing: picking CPU or GPU, and turning user mistakes into one sentence."""
+
+import os
+import sys
+
+import torch
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message says how. Printed without a stack trace."""
+
+
+def cpu_only():
+    """Whether this run must use the CPU; stops if the launch asked for GPUs that are not there.
+
+    `accelerate launch` starts processes through torchrun for every multi-process profile; on a
+    machine without GPUs those processes join one gloo group only if the Accelerator is built with
+    cpu=True (otherwise each trains alone). The GPU profiles name their GPUs (`gpu_ids`), which
+    reaches us as CUDA_VISIBLE_DEVICES, so a GPU profile on a CPU machine is caught here.
+    """
+    if torch.cuda.is_available():
+        return False
+    requested = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if requested and not requested.startswith("-"):
+        raise UserError(
+            f"This launch asks for GPUs {requested} (a GPU profile) but PyTorch sees no GPU on this "
+            "machine: launch with --config_file accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch."
+        )
+    return True
+
+
+def run_main(main):
+    """Run a script's main(); a UserError ends the process with its sentence and exit code 1."""
+    try:
+        main()
+    except UserError as error:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)

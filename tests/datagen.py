@@ -1,0 +1,22 @@
+"""Small learnable data sets in torchvision's MNIST layout, so tests run the real loading code offline."""
+
+import numpy as np
+
+from shared.data import write_mnist_layout
+
+
+def learnable_digits(num_samples, seed):
+    """28x28 uint8 images whose class is a bright 7x7 block at one of ten fixed spots, plus noise."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, size=num_samples).astype(np.uint8)
+    images = rng.integers(0, 60, size=(num_samples, 28, 28)).astype(np.uint8)
+    for index, label in enumerate(labels):
+        row, col = divmod(int(label), 5)
+        images[index, 3 + row * 12 : 10 + row * 12, 1 + col * 5 : 6 + col * 5] = 230
+    return images, labels
+
+
+def write_small_mnist(data_dir, name="MNIST", num_train=512, num_test=200, seed=0):
+    train_images, train_labels = learnable_digits(num_train, seed)
+    test_images, test_labels = learnable_digits(num_test, seed + 1)
+    return write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels)
