@@ -1,0 +1,40 @@
+"""Launched by the tests like a training script: records this process's group and the training
+indices it draws, using the scripts' own Accelerator settings and DataLoader recipe."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from shared import runtime  # noqa: E402
+
+
+def main():
+    output_dir, num_samples, batch_size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    accelerator = Accelerator(
+        cpu=runtime.cpu_only(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0)
+    )
+    loader = accelerator.prepare(DataLoader(torch.arange(num_samples), batch_size=batch_size, shuffle=True))
+    epochs = {}
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        epochs[epoch] = [batch.tolist() for batch in loader]
+    report = {
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "group_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "epochs": epochs,
+    }
+    # Every rank also learns what the others drew, to check that they agree on one order.
+    report["all_first_batches"] = accelerator.gather(torch.tensor(epochs[1][0])).tolist()
+    (output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    accelerator.end_training()  # leaves the process group cleanly before the interpreter exits
+
+
+if __name__ == "__main__":
+    main()

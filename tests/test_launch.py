@@ -1,0 +1,79 @@
+"""The launch profiles: they load, they say what their names claim, and cpu.yaml really makes one group."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import CONFIGS, REPO, run
+
+PROBE = Path(__file__).resolve().parent / "probes" / "shard_probe.py"
+
+# profile -> (distributed type, processes, machines, uses the CPU)
+PROFILES = {
+    "cpu.yaml": ("MULTI_GPU", 4, 1, True),
+    "1gpu.yaml": ("NO", 1, 1, False),
+    "2gpu.yaml": ("MULTI_GPU", 2, 1, False),
+    "4gpu.yaml": ("MULTI_GPU", 4, 1, False),
+    "8gpu.yaml": ("MULTI_GPU", 8, 1, False),
+    "2node_4gpu.yaml": ("MULTI_GPU", 8, 2, False),
+}
+
+
+def test_every_profile_is_listed_here():
+    assert {path.name for path in CONFIGS.glob("*.yaml")} == set(PROFILES)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profile_loads_and_says_what_its_name_claims(name):
+    path = CONFIGS / name
+    config = load_config_from_file(str(path))
+    distributed_type, processes, machines, on_cpu = PROFILES[name]
+    assert config.distributed_type.value == distributed_type
+    assert (config.num_processes, config.num_machines, config.use_cpu) == (processes, machines, on_cpu)
+    assert path.read_text().startswith("#"), "each profile opens with a comment saying what it is for"
+    if not on_cpu:  # GPU profiles name one GPU per process on each machine
+        assert len(config.gpu_ids.split(",")) == processes // machines
+
+
+def test_two_node_profile_has_placeholders_to_fill():
+    text = (CONFIGS / "2node_4gpu.yaml").read_text()
+    assert "MAIN_NODE_ADDRESS" in text and re.search(r"machine_rank: 0 +# PLACEHOLDER", text)
+
+
+def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4):
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, PROBE, tmp_path, num_samples, batch_size]
+    run(command, cwd=tmp_path)
+    return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("override", [None, 3])
+def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, override):
+    flags = ["--config_file", CONFIGS / "cpu.yaml"] + (["--num_processes", str(override)] if override else [])
+    reports = launch_probe(tmp_path, *flags)
+    world_size = override or 4
+    assert [r["rank"] for r in reports] == list(range(world_size))
+    for report in reports:
+        assert report["world_size"] == report["group_size"] == world_size
+        assert report["backend"] == "gloo"
+    for epoch in ("1", "2"):
+        shards = [sum(r["epochs"][epoch], []) for r in reports]
+        drawn = sum(shards, [])
+        assert sorted(drawn) == list(range(96)), "disjoint, and together the whole training set"
+        assert all(len(shard) == 96 // world_size for shard in shards)
+    assert reports[0]["epochs"]["1"] != reports[0]["epochs"]["2"], "reshuffled every epoch"
+    assert len({json.dumps(r["all_first_batches"]) for r in reports}) == 1
+
+
+def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(tmp_path):
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2gpu.yaml",
+        "--main_process_port", "0", REPO / "scripts" / "toy_mlp.py", "--output_dir", tmp_path / "run",
+    ]
+    result = run(command, cwd=tmp_path, check=False)
+    assert result.returncode != 0
+    assert "asks for GPUs 0,1 (a GPU profile) but PyTorch sees no GPU" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,113 @@
+"""Each script end to end, as 1 process and as 2 processes, launched the ways the README shows."""
+
+import importlib.util
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, SCRIPTS, launch_command, python_command, read_metrics, run
+
+# script -> (model class, extra flags that keep the test short, accuracy it must beat)
+SCRIPTS_UNDER_TEST = {
+    "seq_net.py": ("SeqNet", ["--num_epochs", "3", "--batch_size", "50"], 0.5),
+    "mnist_conv.py": ("Net", ["--num_epochs", "2"], 0.5),
+    "cpu_gloo.py": ("SimpleNet", ["--num_epochs", "2"], 0.5),
+    "toy_mlp.py": ("NeuralNetwork", [], 0.99),
+}
+REQUIRED_KEYS = {"epoch", "train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "world_size", "elapsed_s"}
+
+
+def load_script_module(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_trained(output_dir, script, world_size, min_accuracy):
+    records = read_metrics(output_dir)
+    model_class, _, _ = SCRIPTS_UNDER_TEST[script]
+    assert [r["epoch"] for r in records] == list(range(1, len(records) + 1))
+    for record in records:
+        assert REQUIRED_KEYS <= record.keys()
+        assert record["world_size"] == world_size
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert records[-1]["eval_accuracy"] >= min_accuracy
+    model = getattr(load_script_module(SCRIPTS / script), model_class)()
+    model.load_state_dict(load_file(output_dir / "model.safetensors"))  # strict: every key matches
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_TEST))
+def test_one_process_with_python(script, data_dir, tmp_path):
+    _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
+    output_dir = tmp_path / "run"
+    result = run(python_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags), cwd=tmp_path)
+    assert_trained(output_dir, script, 1, min_accuracy)
+    assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_TEST))
+def test_two_processes_with_cpu_profile(script, data_dir, tmp_path):
+    _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
+    output_dir = tmp_path / "run"
+    result = run(
+        launch_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags, num_processes=2),
+        cwd=tmp_path,
+    )
+    assert_trained(output_dir, script, 2, min_accuracy)
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epoch_lines) == len(read_metrics(output_dir))  # printed by the main process only
+
+
+def test_cpu_gloo_with_the_cpu_profile_as_is_trains_as_four_processes(data_dir, tmp_path):
+    result = run(launch_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--num_epochs", "1"), cwd=tmp_path)
+    record = read_metrics(tmp_path / "run")[0]
+    assert record["world_size"] == 4
+    # 2000 samples in global batches of 4 x 64: 8 steps, the last topped up with 48 samples
+    # from the start of the epoch's order so that every process takes the same number of steps.
+    assert record["train_samples_seen"] == 2048
+    for rank in range(4):  # the tutorial's per-rank loss lines
+        assert f"Rank: {rank}, Epoch: 1, Batch: 0, Loss:" in result.stdout
+
+
+def test_accelerate_launch_with_plain_flags(tmp_path):
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--main_process_port", "0", SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run",
+    ]
+    run(command, cwd=tmp_path)
+    assert_trained(tmp_path / "run", "toy_mlp.py", 2, 0.99)
+
+
+def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
+    """The README's recipe: copy the script and the shared/ folder side by side."""
+    project = tmp_path / "my_project"
+    project.mkdir()
+    shutil.copy(SCRIPTS / "mnist_conv.py", project / "train.py")
+    shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    output_dir = tmp_path / "out"
+    run([sys.executable, project / "train.py", "--data_dir", data_dir, "--output_dir", output_dir, "--num_epochs", "1"], cwd=elsewhere)
+    assert read_metrics(output_dir)[0]["eval_accuracy"] > 0.5
+    model = load_script_module(project / "train.py").Net()
+    model.load_state_dict(load_file(output_dir / "model.safetensors"))
+
+
+def test_toy_mlp_from_a_notebook_cell_with_notebook_launcher(tmp_path):
+    """The README's notebook cell, run as a fresh interpreter would run it."""
+    cell = f"""
+import sys
+sys.path.insert(0, {str(SCRIPTS)!r})
+from accelerate import notebook_launcher
+from toy_mlp import main
+notebook_launcher(main, args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)
+"""
+    run([sys.executable, "-c", cell], cwd=tmp_path)
+    records = read_metrics(tmp_path / "run")
+    assert records[-1]["world_size"] == 2
+    assert records[-1]["eval_accuracy"] == 1.0 and records[-1]["train_eval_accuracy"] == 1.0
+    assert torch.equal(torch.tensor([r["eval_samples"] for r in records]), torch.tensor([2, 2, 2]))
