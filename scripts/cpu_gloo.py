@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
 
 
 class SimpleNet(nn.Module):
@@ -34,7 +34,7 @@ class SimpleNet(nn.Module):
 
 def parse_args(argv=None):
     parser = cli.training_parser(__doc__, name="cpu_gloo", num_epochs=5, batch_size=64, lr=0.01, eval_batch_size=1000)
-    cli.add_num_workers(parser)
+    cli.add_mnist_flags(parser, hub_name="ylecun/mnist")
     parser.add_argument("--log_interval", type=cli.positive_int, default=100, help="batches between per-rank loss lines")
     return parser.parse_args(argv)
 
@@ -48,11 +48,13 @@ def main(argv=None):
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+        log_with=outputs.trackers(args),
+        project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
-    train_set, test_set = data.mnist_datasets("MNIST", args.data_dir, accelerator)
+    train_set, test_set = data.mnist_datasets(args, "MNIST", accelerator)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
 
@@ -66,25 +68,41 @@ def main(argv=None):
 
     rank = accelerator.process_index
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    for epoch in range(1, args.num_epochs + 1):
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    if args.eval_only:
+        source = checkpointer.load_for_eval(model)
+        result = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
+        return outputs.report_eval(result, source, accelerator, output_dir)
+    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
+    if args.with_tracking:
+        accelerator.init_trackers("cpu_gloo", config=outputs.hyperparameters(args))
+
+    for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)
-        stats = metrics.EpochStats(accelerator)
-        for batch_idx, (images, labels) in enumerate(tqdm(train_loader, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)):
+        resumed = start if epoch == start.epoch else None
+        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        stats = metrics.EpochStats(accelerator, resumed)
+        progress = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
+        for batch_idx, (images, labels) in enumerate(progress, start=stats.batches):  # counts on after a resume
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(images), labels)
-                accelerator.backward(loss)
+                accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
+            if accelerator.sync_gradients:  # an optimizer step happened
+                checkpointer.step_done(epoch, stats)
             if batch_idx % args.log_interval == 0:  # every rank reports its own loss, as in the tutorial
                 print(f"Rank: {rank}, Epoch: {epoch}, Batch: {batch_idx}, Loss: {loss.item():.4f}", flush=True)
         scheduler.step()
 
         train_metrics = stats.finish()  # summed over all ranks
         eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
-        record = metrics_log.write(epoch, train_metrics, eval_metrics)
+        record = metrics_log.write(epoch, train_metrics, eval_metrics, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
+        accelerator.log(outputs.scalars(record), step=epoch)
+        checkpointer.epoch_done(epoch)
 
     accelerator.wait_for_everyone()
     accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only

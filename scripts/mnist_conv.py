@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
 
 
 class Net(nn.Module):
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     parser = cli.training_parser(
         __doc__, name="mnist_conv", num_epochs=5, batch_size=64, lr=1.0, gamma=0.7, eval_batch_size=1000
     )
-    cli.add_num_workers(parser)
+    cli.add_mnist_flags(parser, hub_name="ylecun/mnist")
     return parser.parse_args(argv)
 
 
@@ -60,11 +60,13 @@ def main(argv=None):
         # The scheduler below is stepped once per epoch; by default accelerate would step it
         # once per process at every optimizer step.
         step_scheduler_with_optimizer=False,
+        log_with=outputs.trackers(args),
+        project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
-    train_set, test_set = data.mnist_datasets("MNIST", args.data_dir, accelerator)
+    train_set, test_set = data.mnist_datasets(args, "MNIST", accelerator)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
 
@@ -77,23 +79,38 @@ def main(argv=None):
     )
 
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    for epoch in range(1, args.num_epochs + 1):
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    if args.eval_only:
+        source = checkpointer.load_for_eval(model)
+        result = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
+        return outputs.report_eval(result, source, accelerator, output_dir)
+    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
+    if args.with_tracking:
+        accelerator.init_trackers("mnist_conv", config=outputs.hyperparameters(args))
+
+    for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)
-        stats = metrics.EpochStats(accelerator)
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
+        resumed = start if epoch == start.epoch else None
+        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        stats = metrics.EpochStats(accelerator, resumed)
+        for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
             with accelerator.accumulate(model):
                 loss = F.nll_loss(model(images), labels)
-                accelerator.backward(loss)
+                accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
+            if accelerator.sync_gradients:  # an optimizer step happened
+                checkpointer.step_done(epoch, stats)
         scheduler.step()
 
         train_metrics = stats.finish()
         eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
-        record = metrics_log.write(epoch, train_metrics, eval_metrics)
+        record = metrics_log.write(epoch, train_metrics, eval_metrics, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
+        accelerator.log(outputs.scalars(record), step=epoch)
+        checkpointer.epoch_done(epoch)
 
     accelerator.wait_for_everyone()
     accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
 
 
 class SeqNet(nn.Module):
@@ -37,7 +37,7 @@ class SeqNet(nn.Module):
 
 def parse_args(argv=None):
     parser = cli.training_parser(__doc__, name="seq_net", num_epochs=10, batch_size=100, lr=0.01, eval_batch_size=1000)
-    cli.add_num_workers(parser)
+    cli.add_mnist_flags(parser, hub_name="zalando-datasets/fashion_mnist")
     return parser.parse_args(argv)
 
 
@@ -50,12 +50,14 @@ def main(argv=None):
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+        log_with=outputs.trackers(args),
+        project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
     # Pixels in [0, 1] from ToTensor alone, as the tutorial meant (it divided by 255 a second time).
-    train_set, test_set = data.mnist_datasets("FashionMNIST", args.data_dir, accelerator, normalize=False)
+    train_set, test_set = data.mnist_datasets(args, "FashionMNIST", accelerator, normalize=False)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
 
@@ -68,23 +70,38 @@ def main(argv=None):
     )
 
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    for epoch in range(1, args.num_epochs + 1):
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    if args.eval_only:
+        source = checkpointer.load_for_eval(model)
+        result = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
+        return outputs.report_eval(result, source, accelerator, output_dir)
+    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
+    if args.with_tracking:
+        accelerator.init_trackers("seq_net", config=outputs.hyperparameters(args))
+
+    for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)
-        stats = metrics.EpochStats(accelerator)
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
+        resumed = start if epoch == start.epoch else None
+        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        stats = metrics.EpochStats(accelerator, resumed)
+        for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(images), labels)
-                accelerator.backward(loss)
+                accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
+            if accelerator.sync_gradients:  # an optimizer step happened
+                checkpointer.step_done(epoch, stats)
         scheduler.step()
 
         train_metrics = stats.finish()
         eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
-        record = metrics_log.write(epoch, train_metrics, eval_metrics)
+        record = metrics_log.write(epoch, train_metrics, eval_metrics, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
+        accelerator.log(outputs.scalars(record), step=epoch)
+        checkpointer.epoch_done(epoch)
 
     accelerator.wait_for_everyone()
     accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only

@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
@@ -54,6 +54,8 @@ def main(argv=None):
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+        log_with=outputs.trackers(args),
+        project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
     data.check_world_size(len(Y_TRAIN), accelerator, "toy_mlp's training set")
@@ -74,25 +76,40 @@ def main(argv=None):
     )
 
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    for epoch in range(1, args.num_epochs + 1):
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    if args.eval_only:
+        source = checkpointer.load_for_eval(model)
+        result = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
+        return outputs.report_eval(result, source, accelerator, output_dir)
+    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
+    if args.with_tracking:
+        accelerator.init_trackers("toy_mlp", config=outputs.hyperparameters(args))
+
+    for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)
-        stats = metrics.EpochStats(accelerator)
-        for features, labels in train_loader:
+        resumed = start if epoch == start.epoch else None
+        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        stats = metrics.EpochStats(accelerator, resumed)
+        for features, labels in batches:
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(features), labels)
-                accelerator.backward(loss)
+                accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
+            if accelerator.sync_gradients:  # an optimizer step happened
+                checkpointer.step_done(epoch, stats)
         scheduler.step()
 
         # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
         train_metrics = stats.finish()
         train_eval = metrics.evaluate(model, train_eval_loader, accelerator, F.cross_entropy, num_classes=2, prefix="train_eval")
         test_eval = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
-        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval)
+        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
+        accelerator.log(outputs.scalars(record), step=epoch)
+        checkpointer.epoch_done(epoch)
 
     accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
     accelerator.wait_for_everyone()

@@ -24,6 +24,11 @@ def non_negative_int(text):
     return value
 
 
+def checkpointing_steps(text):
+    """'epoch', or a whole number of optimizer steps."""
+    return text if text == "epoch" else positive_int(text)
+
+
 def _parse(kind, text, what):
     try:
         return kind(text)
@@ -56,8 +61,32 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
         "--overwrite_output_dir", action="store_true",
         help="start a new run in an output_dir that already holds one (its files are replaced)",
     )
+    parser.add_argument(
+        "--checkpointing_steps", type=checkpointing_steps, default=None,
+        help="save the full training state every N optimizer steps, or after every 'epoch'",
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint", default=None, metavar="PATH|latest",
+        help="continue from a checkpoint folder, or the newest under <output_dir>/checkpoints",
+    )
+    parser.add_argument("--keep_last_checkpoints", type=positive_int, default=None, help="delete all but the newest K checkpoints")
+    parser.add_argument(
+        "--eval_only", action="store_true",
+        help="only evaluate the weights of --resume_from_checkpoint (a checkpoint folder or a model.safetensors)",
+    )
+    parser.add_argument("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
+    parser.add_argument(
+        "--report_to", choices=["tensorboard", "mlflow", "all"], default="tensorboard",
+        help="tracker for --with_tracking; stores live under --output_dir",
+    )
     return parser
 
 
-def add_num_workers(parser):
+def add_mnist_flags(parser, hub_name):
+    """Flags of the scripts that read an MNIST-family data set."""
     parser.add_argument("--num_workers", type=non_negative_int, default=0, help="DataLoader worker processes per training process")
+    parser.add_argument(
+        "--dataset_source", choices=["torchvision", "hub"], default="torchvision",
+        help="torchvision's download, or the Hugging Face Hub through the datasets library",
+    )
+    parser.add_argument("--dataset_name", default=hub_name, help="with --dataset_source hub: a Hub data set, or a local folder of one")

@@ -6,9 +6,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import torch
 from torchvision import datasets, transforms
 
-from shared.runtime import UserError
+from shared.runtime import UserError, first_line
 
 # torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
 RAW_FILES = (
@@ -30,10 +31,11 @@ def download_order(accelerator):
         yield
 
 
-def mnist_datasets(name, data_dir, accelerator, normalize=True):
-    """The (train, test) torchvision data sets `name`, downloaded into data_dir if missing.
+def mnist_datasets(args, name, accelerator, normalize=True):
+    """The (train, test) data sets `name` from --dataset_source, downloaded into --data_dir if missing.
 
-    ToTensor already scales pixels to [0, 1]; Normalize then centres them. Nothing divides by 255 again.
+    Both sources give the same samples: ToTensor scales pixels to [0, 1] and Normalize centres
+    them; nothing divides by 255 again.
     """
     steps = [transforms.ToTensor()]
     if normalize:
@@ -41,9 +43,44 @@ def mnist_datasets(name, data_dir, accelerator, normalize=True):
         steps.append(transforms.Normalize((mean,), (std,)))
     transform = transforms.Compose(steps)
     with download_order(accelerator):
-        train_set, test_set = (_open(name, data_dir, train, transform) for train in (True, False))
+        if args.dataset_source == "hub":
+            train_set, test_set = _from_hub(args.dataset_name, args.data_dir, transform)
+        else:
+            train_set, test_set = (_open(name, args.data_dir, train, transform) for train in (True, False))
     check_world_size(len(train_set), accelerator, f"the {name} training set")
     return train_set, test_set
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """uint8 images (N x 28 x 28) and labels, named and transformed as torchvision's MNIST does."""
+
+    def __init__(self, data, targets, transform):
+        self.data, self.targets, self.transform = torch.as_tensor(data), torch.as_tensor(targets), transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        return self.transform(self.data[index].numpy()), int(self.targets[index])
+
+
+def _from_hub(hub_name, data_dir, transform):
+    """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
+    import datasets as hub  # only this path needs it
+
+    try:
+        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
+        return tuple(
+            ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
+                         np.asarray(splits[split]["label"]), transform)
+            for split in ("train", "test")
+        )
+    except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
+        raise UserError(
+            f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
+            "pass --dataset_name a local data set with train and test splits of image and label columns, "
+            "or use --dataset_source torchvision."
+        ) from None
 
 
 def check_world_size(num_samples, accelerator, what):
@@ -62,7 +99,7 @@ def _open(name, data_dir, train, transform):
     except RuntimeError as error:
         if "download" in str(error).lower():
             raise UserError(
-                f"{name} is not in {raw_folder} and could not be downloaded ({_first_line(error)}): "
+                f"{name} is not in {raw_folder} and could not be downloaded ({first_line(error)}): "
                 f"connect to the internet, or copy {', '.join(RAW_FILES)} into {raw_folder}."
             ) from None
         raise _unreadable(name, raw_folder, error) from None
@@ -72,13 +109,9 @@ def _open(name, data_dir, train, transform):
 
 def _unreadable(name, raw_folder, error):
     return UserError(
-        f"The {name} files in {raw_folder} could not be read ({_first_line(error)}): "
+        f"The {name} files in {raw_folder} could not be read ({first_line(error)}): "
         "delete them so they are downloaded again, or replace them with complete copies."
     )
-
-
-def _first_line(error):
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def write_idx(path, array):

@@ -6,21 +6,34 @@ import torch
 
 
 class EpochStats:
-    """Sums the training loss and sample count of one epoch on this process, without a sync per batch."""
+    """Sums the training loss and sample count of one epoch on this process, without a sync per batch.
 
-    def __init__(self, accelerator):
+    `resumed` (a checkpoints.Position) carries over what a checkpoint had summed of its epoch so far.
+    """
+
+    def __init__(self, accelerator, resumed=None):
         self.accelerator = accelerator
         self.totals = torch.zeros(2, device=accelerator.device)  # loss x samples, samples
+        self.batches = 0
         self.started = time.perf_counter()
+        if resumed is not None:
+            self.batches = resumed.batches_done
+            self.started -= resumed.epoch_seconds
+            if accelerator.is_main_process:  # the saved sums are already over all processes
+                self.totals += torch.tensor(resumed.epoch_totals, device=accelerator.device)
 
     def add(self, loss, batch_size):
         self.totals[0] += loss.detach().float() * batch_size
         self.totals[1] += batch_size
+        self.batches += 1
+
+    def snapshot(self):
+        """The sums over all processes so far, and the seconds spent, for a checkpoint."""
+        return tuple(self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()), time.perf_counter() - self.started
 
     def finish(self):
         """Mean loss over every process's samples, and the global samples per second."""
-        loss_sum, samples = self.accelerator.reduce(self.totals, reduction="sum").tolist()
-        elapsed = time.perf_counter() - self.started
+        (loss_sum, samples), elapsed = self.snapshot()
         return {
             "train_loss": loss_sum / max(samples, 1),
             "train_samples_seen": int(samples),  # the padding of the last batches included

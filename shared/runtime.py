@@ -29,6 +29,12 @@ def cpu_only():
     return True
 
 
+def first_line(error):
+    """The first line of an exception's message, for a one-sentence error."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
 def run_main(main):
     """Run a script's main(); a UserError ends the process with its sentence and exit code 1."""
     try:
