@@ -113,7 +113,9 @@ def main(argv=None):
 
     accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
     accelerator.wait_for_everyone()
-    accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
+    # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
+    # it loads into the plain model class.
+    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
     accelerator.end_training()
 
 

@@ -97,12 +97,18 @@ class Checkpointer:
             return Position()
         path = self._resolve(spec)
         if path is None:
+            if self.metrics_log.path.exists():  # never restart over the epochs of a run without checkpoints
+                raise UserError(
+                    f"{self.metrics_log.path.parent} holds a run but no checkpoint to resume: choose another "
+                    "--output_dir, or pass --overwrite_output_dir instead of --resume_from_checkpoint."
+                )
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
         state = read_state(path)
-        if state["epoch"] > self.args.num_epochs:
+        finished = max(state["epoch"] - 1, self.metrics_log.completed_epochs())
+        if finished >= self.args.num_epochs:
             raise UserError(
-                f"Checkpoint {path} is from a run that finished all {state['epoch'] - 1} epochs: pass a larger "
+                f"The run in {self.metrics_log.path.parent} already finished {finished} epochs: pass a larger "
                 "--num_epochs to train further, or start a new run in another --output_dir."
             )
         batches_done = self._batches_to_skip(path, state)
@@ -139,7 +145,7 @@ class Checkpointer:
             raise UserError(f"No checkpoint in {self.folder} to evaluate: pass a checkpoint folder or a model.safetensors file.")
         if path.is_file():
             try:
-                self.accelerator.unwrap_model(model).load_state_dict(load_file(path))
+                self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(load_file(path))
             except Exception as error:  # safetensors and load_state_dict raise many kinds
                 raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
         else:

@@ -82,6 +82,11 @@ class MetricsLog:
                 file.write(json.dumps(record) + "\n")
         return record
 
+    def completed_epochs(self):
+        if not self.path.exists():
+            return 0
+        return max((json.loads(line)["epoch"] for line in self.path.read_text().splitlines()), default=0)
+
     def elapsed(self):
         return time.perf_counter() - self.started
 

@@ -20,3 +20,16 @@ def write_small_mnist(data_dir, name="MNIST", num_train=512, num_test=200, seed=
     train_images, train_labels = learnable_digits(num_train, seed)
     test_images, test_labels = learnable_digits(num_test, seed + 1)
     return write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels)
+
+
+def write_hub_dataset(folder, num_train=400, num_test=100, seed=0):
+    """The same kind of digits as a local Hugging Face data set (train and test splits, image and label
+    columns), in the Parquet layout of a Hub repository, so `datasets.load_dataset(folder)` reads it offline."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    for split, count, split_seed in (("train", num_train, seed), ("test", num_test, seed + 1)):
+        images, labels = learnable_digits(count, split_seed)
+        rows = datasets.Dataset.from_dict({"image": list(images), "label": labels.tolist()}, features=features)
+        rows.to_parquet(f"{folder}/data/{split}-00000-of-00001.parquet")
+    return folder

@@ -12,14 +12,16 @@ from conftest import CONFIGS, REPO, run
 
 PROBE = Path(__file__).resolve().parent / "probes" / "shard_probe.py"
 
-# profile -> (distributed type, processes, machines, uses the CPU)
+# profile -> (distributed type, processes, machines, uses the CPU, mixed precision)
 PROFILES = {
-    "cpu.yaml": ("MULTI_GPU", 4, 1, True),
-    "1gpu.yaml": ("NO", 1, 1, False),
-    "2gpu.yaml": ("MULTI_GPU", 2, 1, False),
-    "4gpu.yaml": ("MULTI_GPU", 4, 1, False),
-    "8gpu.yaml": ("MULTI_GPU", 8, 1, False),
-    "2node_4gpu.yaml": ("MULTI_GPU", 8, 2, False),
+    "cpu.yaml": ("MULTI_GPU", 4, 1, True, "no"),
+    "1gpu.yaml": ("NO", 1, 1, False, "no"),
+    "2gpu.yaml": ("MULTI_GPU", 2, 1, False, "no"),
+    "4gpu.yaml": ("MULTI_GPU", 4, 1, False, "no"),
+    "4gpu_bf16.yaml": ("MULTI_GPU", 4, 1, False, "bf16"),
+    "8gpu.yaml": ("MULTI_GPU", 8, 1, False, "no"),
+    "2node_4gpu.yaml": ("MULTI_GPU", 8, 2, False, "no"),
+    "fsdp.yaml": ("FSDP", 4, 1, False, "bf16"),
 }
 
 
@@ -31,12 +33,18 @@ def test_every_profile_is_listed_here():
 def test_profile_loads_and_says_what_its_name_claims(name):
     path = CONFIGS / name
     config = load_config_from_file(str(path))
-    distributed_type, processes, machines, on_cpu = PROFILES[name]
+    distributed_type, processes, machines, on_cpu, precision = PROFILES[name]
     assert config.distributed_type.value == distributed_type
     assert (config.num_processes, config.num_machines, config.use_cpu) == (processes, machines, on_cpu)
+    assert config.mixed_precision == precision
     assert path.read_text().startswith("#"), "each profile opens with a comment saying what it is for"
     if not on_cpu:  # GPU profiles name one GPU per process on each machine
         assert len(config.gpu_ids.split(",")) == processes // machines
+
+
+def test_fsdp_profile_shards_with_fsdp2():
+    config = load_config_from_file(str(CONFIGS / "fsdp.yaml")).fsdp_config
+    assert config["fsdp_version"] == 2 and config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
 
 
 def test_two_node_profile_has_placeholders_to_fill():

@@ -1,0 +1,57 @@
+"""Draw loss and accuracy against epoch from the metrics.jsonl of one or more runs.
+
+    python scripts/plot_metrics.py runs/cpu_gloo_1proc runs/cpu_gloo_4proc -o curves.png
+
+One line per run, labelled with its folder name and world size.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # draws to a file; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+PANELS = (("train_loss", "train loss"), ("eval_loss", "eval loss"), ("eval_accuracy", "eval accuracy"))
+
+
+def read_run(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: {path} could not be read ({error}): pass run folders that hold a metrics.jsonl.")
+    if not records:
+        sys.exit(f"error: {path} has no epochs yet: pass a run that finished at least one epoch.")
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", help="folders holding metrics.jsonl (a script's --output_dir)")
+    parser.add_argument("-o", "--output", default="curves.png", help="PNG file to write")
+    args = parser.parse_args()
+
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for run_dir in args.run_dirs:
+        records = read_run(run_dir)
+        label = f"{Path(run_dir).resolve().name} ({records[-1]['world_size']} proc)"
+        epochs = [record["epoch"] for record in records]
+        for axis, (key, _) in zip(axes, PANELS):
+            axis.plot(epochs, [record[key] for record in records], marker="o", label=label)
+    for axis, (_, title) in zip(axes, PANELS):
+        axis.set(title=title, xlabel="epoch")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(args.output, dpi=100)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""The training features of every script: checkpoints and exact resume, eval-only, mixed precision,
+gradient accumulation, the scheduler, tracking, plots, Hub data, torch.compile and multi-node."""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, SCRIPTS, launch_command, python_command, read_metrics, run, script_env
+from datagen import write_hub_dataset, write_small_mnist
+from test_scripts import load_script_module
+
+# script -> (flags for a short run, the checkpoint step inside epoch 2 for 1 and for 2 processes,
+#            model class, whether the model has BatchNorm)
+FEATURE_RUNS = {
+    "seq_net.py": (["--num_epochs", "2", "--batch_size", "50"], {1: 50}, "SeqNet", False),
+    "mnist_conv.py": (["--num_epochs", "2"], {1: 40}, "Net", True),
+    "cpu_gloo.py": (["--num_epochs", "2"], {1: 40, 2: 24}, "SimpleNet", False),
+    "toy_mlp.py": ([], {1: 4, 2: 3}, "NeuralNetwork", False),
+}
+TIMING_KEYS = {"elapsed_s", "samples_per_sec"}
+
+
+def weights(run_dir):
+    return load_file(run_dir / "model.safetensors")
+
+
+def assert_same_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert torch.equal(a[key], b[key]), f"{key} differs"
+        else:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)  # float summation order only
+
+
+def assert_same_records(a, b, rel=0.0):
+    assert [r["epoch"] for r in a] == [r["epoch"] for r in b]
+    for left, right in zip(a, b):
+        for key in left.keys() - TIMING_KEYS:
+            assert left[key] == pytest.approx(right[key], rel=rel), key
+
+
+def train(script, tmp_path, name, *flags, num_processes=None, data_dir=None):
+    output_dir = tmp_path / name
+    args = ["--output_dir", output_dir, *flags] + (["--data_dir", data_dir] if data_dir else [])
+    command = python_command(script, *args) if num_processes is None else launch_command(script, *args, num_processes=num_processes)
+    return output_dir, run(command, cwd=tmp_path)
+
+
+def resume_from(source_dir, checkpoint, target_dir):
+    """A second run folder holding what the first had when `checkpoint` was written."""
+    path = target_dir / "checkpoints" / checkpoint
+    shutil.copytree(source_dir / "checkpoints" / checkpoint, path)
+    epoch = json.loads((path / "trainer_state.json").read_text())["epoch"]
+    lines = (source_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (target_dir / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["epoch"] < epoch))
+    return path
+
+
+# -- checkpoints and resume -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_processes", [None, 2], ids=["1proc", "2proc"])
+@pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
+def test_mid_epoch_resume_ends_bitwise_equal(script, num_processes, data_dir, tmp_path):
+    flags, steps, _, _ = FEATURE_RUNS[script]
+    if (num_processes or 1) not in steps:
+        pytest.skip("the 2-process resume is shown on the two fastest scripts")
+    step = steps[num_processes or 1]
+    flags = [*flags, "--checkpointing_steps", str(step)]
+    full, _ = train(script, tmp_path, "full", *flags, num_processes=num_processes, data_dir=data_dir)
+    checkpoint = f"step_{step:08d}"
+    state = json.loads((full / "checkpoints" / checkpoint / "trainer_state.json").read_text())
+    assert state["epoch"] == 2 and state["batches_done"] > 0, "the checkpoint falls inside epoch 2"
+    assert state["world_size"] == (num_processes or 1)
+
+    resumed = tmp_path / "resumed"
+    path = resume_from(full, checkpoint, resumed)
+    _, result = train(script, tmp_path, "resumed", *flags, "--resume_from_checkpoint", path,
+                      num_processes=num_processes, data_dir=data_dir)
+    assert f"Resumed from {path}: epoch 2, {state['batches_done']} batches in" in result.stdout
+    assert_same_weights(weights(full), weights(resumed))
+    assert_same_records(read_metrics(full), read_metrics(resumed), rel=1e-6)
+
+
+def test_checkpoint_names_pruning_and_latest(data_dir, tmp_path):
+    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "10", "--keep_last_checkpoints", "2"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags)
+    names = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_00000050", "step_00000060"]  # 2 x 32 steps: 10, 20, ..., 60; the last 2 kept
+
+    finished = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path, check=False)
+    assert finished.returncode == 1 and "Traceback" not in finished.stderr
+    assert f"The run in {run_dir} already finished 2 epochs: pass a larger --num_epochs" in finished.stderr
+
+    before = read_metrics(run_dir)
+    flags[flags.index("--num_epochs") + 1] = "3"
+    run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    after = read_metrics(run_dir)
+    # Resumed at step 60, inside epoch 2: epoch 2 is finished again, to the same numbers.
+    assert [r["epoch"] for r in after] == [1, 2, 3]
+    assert_same_records(after[:2], before, rel=1e-6)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_00000080", "step_00000090"]
+
+
+def test_epoch_checkpoints(data_dir, tmp_path):
+    run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "epoch")
+    states = [json.loads((path / "trainer_state.json").read_text()) for path in sorted((run_dir / "checkpoints").iterdir())]
+    assert [(s["epoch"], s["batches_done"], s["global_step"]) for s in states] == [(2, 0, 32), (3, 0, 64)]
+
+
+def test_resume_with_another_process_count(data_dir, tmp_path):
+    """Stopped by 2 processes x batch 25, resumed by 1 process x batch 50: the same global batches follow.
+    (2000 samples split into whole global batches of 50, so no epoch ends in a ragged batch.)"""
+    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "48"]
+    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags, "--batch_size", "25", num_processes=2)
+    path = resume_from(full, "step_00000048", tmp_path / "resumed")
+    _, result = train("cpu_gloo.py", tmp_path, "resumed", *flags, "--batch_size", "50", "--resume_from_checkpoint", path)
+    assert "epoch 2, 8 batches in" in result.stdout  # 8 x 50 = 400 samples, as 2 x 8 x 25 were
+    assert read_metrics(tmp_path / "resumed")[-1]["world_size"] == 1
+    assert_same_weights(weights(full), weights(tmp_path / "resumed"), exact=False)
+
+    path = resume_from(full, "step_00000048", tmp_path / "mismatch")
+    mismatch = run(python_command("cpu_gloo.py", "--output_dir", tmp_path / "mismatch", *flags, "--batch_size", "30",
+                                  "--resume_from_checkpoint", path), cwd=tmp_path, check=False)
+    assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
+    assert "not a whole number of batches of 1 x 30: resume with 2 processes and --batch_size 25" in mismatch.stderr
+
+
+# -- eval-only ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
+def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_path):
+    flags = ["--data_dir", data_dir, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
+    run_dir, _ = train(script, tmp_path, "run", *flags)
+    last = read_metrics(run_dir)[-1]
+    checkpoint = next((run_dir / "checkpoints").iterdir())
+    for source in (checkpoint, run_dir / "model.safetensors"):
+        result = run(launch_command(script, "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+                                    "--resume_from_checkpoint", source, num_processes=2), cwd=tmp_path)
+        evaluation = json.loads((run_dir / "eval.json").read_text())
+        assert evaluation["world_size"] == 2 and evaluation["eval_samples"] == last["eval_samples"]
+        assert evaluation["eval_accuracy"] == pytest.approx(last["eval_accuracy"], abs=1e-9)
+        assert len(evaluation["eval_per_class_accuracy"]) == len(last["eval_per_class_accuracy"])
+        assert "class 1:" in result.stdout and f"eval_accuracy {last['eval_accuracy']:.4f}" in result.stdout
+    assert len(read_metrics(run_dir)) == 1, "evaluation leaves the run's metrics alone"
+
+
+# -- precision, accumulation, schedule ------------------------------------------------------------
+
+@pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
+def test_bf16_on_cpu_changes_the_arithmetic_and_still_learns(script, data_dir, tmp_path):
+    flags = ["--data_dir", data_dir, *FEATURE_RUNS[script][0]]
+    plain, _ = train(script, tmp_path, "fp32", *flags)
+    bf16, _ = train(script, tmp_path, "bf16", *flags, "--mixed_precision", "bf16")
+    records = read_metrics(bf16)
+    assert {r["mixed_precision"] for r in records} == {"bf16"}
+    assert read_metrics(plain)[-1]["mixed_precision"] == "no"
+    assert any(not torch.equal(a, b) for a, b in zip(weights(plain).values(), weights(bf16).values()))
+    assert records[-1]["eval_accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("script, batch", [("seq_net.py", 50), ("cpu_gloo.py", 25)])
+def test_gradient_accumulation_equals_the_larger_batch(script, batch, data_dir, tmp_path):
+    """Without BatchNorm, 2 accumulated batches of b give the same update as one batch of 2b
+    (2000 samples: every epoch splits into whole batches of both sizes)."""
+    flags = ["--data_dir", data_dir, "--num_epochs", "2"]
+    large, _ = train(script, tmp_path, "large", *flags, "--batch_size", str(2 * batch))
+    accumulated, _ = train(script, tmp_path, "accumulated", *flags, "--batch_size", str(batch), "--gradient_accumulation_steps", "2")
+    assert_same_weights(weights(large), weights(accumulated), exact=False)
+    steps_per_epoch = 2000 // (2 * batch)
+    assert [r["step"] for r in read_metrics(large)] == [r["step"] for r in read_metrics(accumulated)] == [steps_per_epoch, 2 * steps_per_epoch]
+    for left, right in zip(read_metrics(large), read_metrics(accumulated)):
+        assert left["train_loss"] == pytest.approx(right["train_loss"], rel=1e-5)
+
+
+def test_accumulation_with_a_partial_last_window(tmp_path):
+    """toy_mlp's 5 rows in batches of 1, accumulated by 2: steps of 2, 2 and 1 batches per epoch."""
+    run_dir, _ = train("toy_mlp.py", tmp_path, "run", "--batch_size", "1", "--gradient_accumulation_steps", "2")
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [3, 6, 9]
+    assert records[-1]["train_eval_accuracy"] == 1.0
+
+
+def test_accumulation_steps_and_schedule_under_two_processes(data_dir, tmp_path):
+    """mnist_conv (BatchNorm): steps counted per optimizer step, lr decayed once per epoch at any world size."""
+    run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "3",
+                       "--batch_size", "25", "--gradient_accumulation_steps", "2", num_processes=2)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [20, 40, 60]  # 2000 / (2 x 25) = 40 batches, 20 steps per epoch
+    assert [r["lr"] for r in records] == pytest.approx([0.7, 0.49, 0.343])
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+
+
+# -- tracking and plots -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
+def test_tracking_writes_tensorboard_and_mlflow_stores(script, data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = train(script, tmp_path, "run", "--data_dir", data_dir, *FEATURE_RUNS[script][0], "--with_tracking", "--report_to", "all")
+    records = read_metrics(run_dir)
+    events = EventAccumulator(str(next((run_dir / "tensorboard").iterdir()))).Reload()
+    accuracy = events.Scalars("eval_accuracy")
+    assert [e.step for e in accuracy] == [r["epoch"] for r in records]
+    assert [e.value for e in accuracy] == pytest.approx([r["eval_accuracy"] for r in records])
+    with sqlite3.connect(run_dir / "mlflow.db") as db:  # the store `mlflow ui` opens
+        logged = db.execute("select step, value from metrics where key = 'train_loss' order by step").fetchall()
+        params = dict(db.execute("select key, value from params").fetchall())
+    assert logged == pytest.approx([(r["epoch"], r["train_loss"]) for r in records])
+    assert params["output_dir"] == str(run_dir) and params["with_tracking"] == "True"
+
+
+def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
+    from PIL import Image
+
+    one, _ = train("cpu_gloo.py", tmp_path, "one_process", "--data_dir", data_dir, "--num_epochs", "2")
+    two, _ = train("cpu_gloo.py", tmp_path, "two_processes", "--data_dir", data_dir, "--num_epochs", "2", num_processes=2)
+    png = tmp_path / "curves.png"
+    run([sys.executable, SCRIPTS / "plot_metrics.py", one, two, "-o", png], cwd=tmp_path)
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1500, 400)
+        colors = image.convert("RGB").getcolors(maxcolors=1_000_000)
+    assert len(colors) > 50, "more than a blank canvas"
+    missing = run([sys.executable, SCRIPTS / "plot_metrics.py", tmp_path / "nothing", "-o", png], cwd=tmp_path, check=False)
+    assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+
+
+# -- data from the Hub ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["seq_net.py", "mnist_conv.py", "cpu_gloo.py"])
+def test_hub_source_trains_on_a_local_datasets_folder(script, tmp_path):
+    hub_folder = write_hub_dataset(tmp_path / "hub_mnist", num_train=600, num_test=100)
+    run_dir, _ = train(script, tmp_path, "run", "--data_dir", tmp_path / "cache", "--dataset_source", "hub",
+                       "--dataset_name", hub_folder, "--num_epochs", "2", "--batch_size", "20", num_processes=2)
+    records = read_metrics(run_dir)
+    assert records[-1]["eval_samples"] == 100 and records[-1]["world_size"] == 2
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert (tmp_path / "cache" / "huggingface").is_dir(), "cached under --data_dir"
+
+
+def test_hub_and_torchvision_sources_feed_the_same_samples(tmp_path):
+    """The same digits as IDX files and as a Hub data set train to bitwise the same weights."""
+    write_small_mnist(tmp_path / "idx", "MNIST", num_train=400, num_test=100)
+    hub_folder = write_hub_dataset(tmp_path / "hub_mnist", num_train=400, num_test=100)
+    flags = ["--num_epochs", "2"]
+    from_files, _ = train("cpu_gloo.py", tmp_path, "files", "--data_dir", tmp_path / "idx", *flags)
+    from_hub, _ = train("cpu_gloo.py", tmp_path, "hub", "--data_dir", tmp_path / "cache", "--dataset_source", "hub",
+                        "--dataset_name", hub_folder, *flags)
+    assert_same_weights(weights(from_files), weights(from_hub))
+
+
+def test_hub_source_offline_ends_in_one_sentence(tmp_path):
+    result = run(python_command("mnist_conv.py", "--data_dir", tmp_path, "--output_dir", tmp_path / "run",
+                                "--dataset_source", "hub"), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "ylecun/mnist could not be loaded from the Hugging Face Hub" in result.stderr
+
+
+# -- torch.compile, several machines ---------------------------------------------------------------
+
+def test_torch_compile_through_the_launcher(tmp_path):
+    env = script_env()
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    command = launch_command("toy_mlp.py", "--output_dir", tmp_path / "run", num_processes=1)
+    command.insert(command.index("--num_processes"), "--dynamo_backend")
+    command.insert(command.index("--num_processes"), "inductor")
+    run(command, cwd=tmp_path, env=env)
+    generated = list((tmp_path / "inductor").rglob("*.py"))
+    assert generated, "inductor compiled the model"
+    assert read_metrics(tmp_path / "run")[-1]["eval_accuracy"] == 1.0
+    model = load_script_module(SCRIPTS / "toy_mlp.py").NeuralNetwork()
+    model.load_state_dict(weights(tmp_path / "run"))  # no torch.compile prefixes in the saved keys
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_machines_on_loopback_train_as_one_group(data_dir, tmp_path):
+    """Two launches (machine ranks 0 and 1, one process each) equal one 2-process launch."""
+    flags = ["--data_dir", data_dir, "--num_epochs", "1"]
+    single, _ = train("cpu_gloo.py", tmp_path, "single", *flags, num_processes=2)
+    port = str(free_port())
+    results = {}
+
+    def machine(rank):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml",
+                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                   SCRIPTS / "cpu_gloo.py", "--output_dir", tmp_path / "multi", *flags]
+        results[rank] = subprocess.run([str(c) for c in command], cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
+
+    threads = [threading.Thread(target=machine, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [results[r].returncode for r in (0, 1)] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert read_metrics(tmp_path / "multi")[-1]["world_size"] == 2
+    assert_same_weights(weights(single), weights(tmp_path / "multi"))
+    assert_same_records(read_metrics(single), read_metrics(tmp_path / "multi"))
+
+
+def test_slurm_script_starts_one_launch_per_node(tmp_path):
+    """The batch script under stand-ins for srun and scontrol: 2 'nodes' on this machine, 1 process each."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n")
+    # srun runs its command once per node, with that node's SLURM_NODEID, and fails if any fails.
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nshift\nfor id in 0 1; do SLURM_NODEID=$id "$@" & done\nstatus=0\n'
+        'for job in $(jobs -p); do wait $job || status=1; done\nexit $status\n'
+    )
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = script_env()
+    env.update(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
+               SLURM_NNODES="2", SLURM_JOB_ID="4242", CONFIG=str(CONFIGS / "cpu.yaml"), GPUS_PER_NODE="1",
+               MAIN_PORT=str(free_port()), SCRIPT=str(SCRIPTS / "toy_mlp.py"))
+    run(["bash", REPO / "slurm" / "train_2node.sbatch", "--num_epochs", "2"], cwd=tmp_path, env=env)
+    records = read_metrics(tmp_path / "runs" / "slurm-4242")
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert (tmp_path / "runs" / "slurm-4242" / "checkpoints" / "step_00000004").is_dir()
