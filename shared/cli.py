@@ -2,6 +2,8 @@
 
 import argparse
 
+from shared.runtime import UserError
+
 
 def positive_int(text):
     value = _parse(int, text, "a whole number")
@@ -36,9 +38,16 @@ def _parse(kind, text, what):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line that says what to do, without the usage block."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see {self.prog} --help for what it takes.")
+
+
 def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch_size, seed=42, gamma=1.0):
     """A parser with the shared flags; each script passes the defaults of the tutorial it mirrors."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import torch
 
@@ -40,7 +41,11 @@ def run_main(main):
     try:
         main()
     except UserError as error:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        rank = int(os.environ.get("RANK", "0"))
+        if rank:
+            # Usually every rank hits the same mistake: give rank 0 time to say it once; the
+            # launcher stops the other ranks when it exits. A rank that fails alone still speaks.
+            time.sleep(3)
+        prefix = f"[rank {rank}] " if rank else ""
         print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
