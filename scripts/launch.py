@@ -11,6 +11,7 @@ are left out; a process killed from outside gets one line saying which rank stop
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
@@ -53,6 +54,8 @@ def how_it_ended(failure):
 
 def main():
     args = launch_command_parser().parse_args()
+    if not (args.module or args.no_python or Path(args.training_script).is_file()):
+        fail(f"Training script {args.training_script} does not exist: pass the path of one of the files in scripts/.")
     if args.config_file:
         check_profile(args.config_file, args.cpu)
     # torchrun logs every failure at length; the failed process has already said what went wrong.

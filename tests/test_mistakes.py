@@ -1,0 +1,137 @@
+"""Mistakes a user makes end with a non-zero exit, one sentence that says what to do, no stack
+trace, and the files of an earlier run in the same place unchanged."""
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, SCRIPTS, python_command, run
+from datagen import write_small_mnist
+
+LAUNCH = SCRIPTS / "launch.py"
+
+
+def launch(*args):
+    return [sys.executable, LAUNCH, *args]
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    """A working folder with data, earlier runs, and the broken things users point the scripts at."""
+    root = tmp_path_factory.mktemp("mistakes")
+    write_small_mnist(root / "data", "MNIST", num_train=256, num_test=64)
+    common = ["--data_dir", root / "data", "--num_epochs", "2"]
+    run(python_command("cpu_gloo.py", "--output_dir", root / "earlier", *common, "--checkpointing_steps", "epoch"), cwd=root)
+    run(python_command("cpu_gloo.py", "--output_dir", root / "no_checkpoints", *common), cwd=root)
+    run(python_command("toy_mlp.py", "--output_dir", root / "toy"), cwd=root)
+
+    checkpoint = "step_00000004"  # 256 samples in batches of 64: the checkpoint after epoch 1
+    for name, damaged_file in (("corrupt_weights", "model.safetensors"), ("corrupt_state", "trainer_state.json")):
+        shutil.copytree(root / "earlier", root / name)
+        path = root / name / "checkpoints" / checkpoint / damaged_file
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    shutil.copytree(root / "data", root / "truncated")
+    images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:4000])
+    (root / "a_file").write_text("not a folder")
+    (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
+    return root
+
+
+def snapshot(root):
+    """Every file under the earlier runs, by content."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "data")
+        for path in sorted((root / folder).rglob("*")) if path.is_file()
+    }
+
+
+def cpu_gloo(p, *args, output="fresh"):
+    return python_command("cpu_gloo.py", "--data_dir", p / "data", "--output_dir", p / output, *args)
+
+
+def checkpoint_of(p, run_name):
+    return p / run_name / "checkpoints" / "step_00000004"
+
+
+# id -> (command, text the one sentence must contain)
+MISTAKES = {
+    "profile that does not exist": (lambda p: launch("--config_file", p / "nope.yaml", SCRIPTS / "cpu_gloo.py"),
+                                     "nope.yaml does not exist: pass one of the files in accelerate_configs/"),
+    "profile that does not parse": (lambda p: launch("--config_file", p / "broken.yaml", SCRIPTS / "cpu_gloo.py"),
+                                     "broken.yaml could not be read"),
+    "GPU profile without GPUs": (lambda p: launch("--config_file", CONFIGS / "4gpu.yaml", SCRIPTS / "cpu_gloo.py"),
+                                 "asks for GPUs (DistributedType.MULTI_GPU, 4 processes) but PyTorch sees no GPU"),
+    "training script that does not exist": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", p / "train.py"),
+                                            "train.py does not exist"),
+    "value of the wrong type": (lambda p: cpu_gloo(p, "--batch_size", "abc"), "argument --batch_size: must be a whole number, got 'abc'"),
+    "batch_size 0": (lambda p: cpu_gloo(p, "--batch_size", "0"), "argument --batch_size: must be at least 1, got 0"),
+    "negative epochs": (lambda p: cpu_gloo(p, "--num_epochs", "-3"), "argument --num_epochs: must be at least 1, got -3"),
+    "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be greater than 0, got -0.1"),
+    "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
+    "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
+    "checkpointing_steps that is no number": (lambda p: cpu_gloo(p, "--checkpointing_steps", "often"),
+                                              "argument --checkpointing_steps: must be a whole number, got 'often'"),
+    "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
+                                               "could not be downloaded"),
+    "truncated data file": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
+                            "could not be read"),
+    "Hub data set offline": (lambda p: cpu_gloo(p, "--dataset_source", "hub"), "ylecun/mnist could not be loaded from the Hugging Face Hub"),
+    "checkpoint path that does not exist": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "earlier" / "checkpoints" / "step_99"),
+                                            "step_99 does not exist: pass a folder under <output_dir>/checkpoints/, or 'latest'"),
+    "corrupt checkpoint weights": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_weights"), output="corrupt_weights"),
+                                   "could not be loaded"),
+    "corrupt checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_state"), output="corrupt_state"),
+                                 "is incomplete or corrupt"),
+    "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
+    "more processes than toy_mlp has rows": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "6",
+                                                              SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+                                             "toy_mlp's training set has only 5 samples: launch at most 5 processes"),
+    "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
+                                   "already finished 2 epochs: pass a larger --num_epochs"),
+    "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),
+    "resume of a run without checkpoints": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", "latest", output="no_checkpoints"),
+                                            "holds a run but no checkpoint to resume"),
+    "eval_only without weights": (lambda p: cpu_gloo(p, "--eval_only", output="earlier"), "--eval_only needs --resume_from_checkpoint"),
+    "eval_only with another model's weights": (lambda p: cpu_gloo(p, "--eval_only", "--resume_from_checkpoint", p / "toy" / "model.safetensors", output="earlier"),
+                                               "does not hold this script's model weights"),
+    "resume with another batch size in mid-epoch 2 processes": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
+                         "--output_dir", p / "earlier", "--num_epochs", "4", "--resume_from_checkpoint", "latest"),
+        None,  # not a mistake: epoch checkpoints resume with any process count (checked below)
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", [name for name, (_, text) in MISTAKES.items() if text])
+def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
+    command, text = MISTAKES[mistake]
+    before = snapshot(place)
+    result = run(command(place), cwd=place, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    errors = {line.split("error: ", 1)[1] for line in result.stderr.splitlines() if "error: " in line}
+    assert len(errors) == 1, result.stderr[-3000:]
+    sentence = errors.pop()
+    assert text in sentence
+    assert ": " in sentence and sentence.endswith("."), "what went wrong, then what to do"
+    assert snapshot(place) == before, "the earlier runs' files are unchanged"
+    assert not (place / "fresh" / "metrics.jsonl").exists()
+
+
+def test_there_are_at_least_fifteen_mistakes():
+    assert sum(1 for _, text in MISTAKES.values() if text) >= 15
+
+
+def test_epoch_checkpoint_resumes_with_another_process_count(place):
+    """The counterpart of the mid-epoch mismatch: an epoch checkpoint carries over to 2 processes."""
+    shutil.copytree(place / "earlier", place / "grown")
+    command, _ = MISTAKES["resume with another batch size in mid-epoch 2 processes"]
+    argv = [str(part).replace(str(place / "earlier"), str(place / "grown")) for part in command(place)]
+    run(argv, cwd=place)
+    records = [line for line in (place / "grown" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and '"world_size": 2' in records[-1] and '"world_size": 1' in records[0]
