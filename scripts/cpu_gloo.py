@@ -14,7 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
@@ -54,9 +53,8 @@ def main(argv=None):
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
-    train_set, test_set = data.mnist_datasets(args, "MNIST", accelerator)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
-    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
+    # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
+    train_loader, test_loader = data.mnist_loaders(args, "MNIST", accelerator)
 
     model = SimpleNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -81,7 +79,7 @@ def main(argv=None):
         model.train()
         train_loader.set_epoch(epoch)
         resumed = start if epoch == start.epoch else None
-        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resumed else train_loader
         stats = metrics.EpochStats(accelerator, resumed)
         progress = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
         for batch_idx, (images, labels) in enumerate(progress, start=stats.batches):  # counts on after a resume

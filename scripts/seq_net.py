@@ -13,7 +13,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
@@ -57,9 +56,8 @@ def main(argv=None):
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
     # Pixels in [0, 1] from ToTensor alone, as the tutorial meant (it divided by 255 a second time).
-    train_set, test_set = data.mnist_datasets(args, "FashionMNIST", accelerator, normalize=False)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
-    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
+    # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
+    train_loader, test_loader = data.mnist_loaders(args, "FashionMNIST", accelerator, normalize=False)
 
     model = SeqNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -83,7 +81,7 @@ def main(argv=None):
         model.train()
         train_loader.set_epoch(epoch)
         resumed = start if epoch == start.epoch else None
-        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
+        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resumed else train_loader
         stats = metrics.EpochStats(accelerator, resumed)
         for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
             with accelerator.accumulate(model):

@@ -2,11 +2,15 @@
 
 import contextlib
 import gzip
+import math
 import struct
 from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.state import GradientState
+from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets, transforms
 
 from shared.runtime import UserError, first_line
@@ -31,16 +35,19 @@ def download_order(accelerator):
         yield
 
 
-def mnist_datasets(args, name, accelerator, normalize=True):
-    """The (train, test) data sets `name` from --dataset_source, downloaded into --data_dir if missing.
+def mnist_loaders(args, name, accelerator, normalize=True):
+    """Training and test loaders for the data set `name`, before accelerator.prepare.
 
-    Both sources give the same samples: ToTensor scales pixels to [0, 1] and Normalize centres
-    them; nothing divides by 255 again.
+    --data_pipeline memory (the default) decodes and normalizes every image once into tensors and
+    slices batches from them; torchvision feeds each sample through ToTensor and Normalize as the
+    tutorials do. Both give the same batches in the same order on every process, so a run trains to
+    the same weights either way. ToTensor scales pixels to [0, 1] and Normalize centres them;
+    nothing divides by 255 again.
     """
+    stats = PIXEL_STATS[name] if normalize else None
     steps = [transforms.ToTensor()]
-    if normalize:
-        mean, std = PIXEL_STATS[name]
-        steps.append(transforms.Normalize((mean,), (std,)))
+    if stats:
+        steps.append(transforms.Normalize((stats[0],), (stats[1],)))
     transform = transforms.Compose(steps)
     with download_order(accelerator):
         if args.dataset_source == "hub":
@@ -48,39 +55,96 @@ def mnist_datasets(args, name, accelerator, normalize=True):
         else:
             train_set, test_set = (_open(name, args.data_dir, train, transform) for train in (True, False))
     check_world_size(len(train_set), accelerator, f"the {name} training set")
-    return train_set, test_set
+    if args.data_pipeline == "torchvision":
+        return (
+            DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers),
+            DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers),
+        )
+    device = _tensor_home(train_set, accelerator)
+    train_inputs, train_labels = as_tensors(train_set, stats, device)
+    test_inputs, test_labels = as_tensors(test_set, stats, torch.device("cpu"))
+    return (
+        InMemoryLoader(train_inputs, train_labels, args.batch_size, accelerator, seed=args.seed),
+        DataLoader(TensorDataset(test_inputs, test_labels), batch_size=args.eval_batch_size),
+    )
 
 
-class ArrayDataset(torch.utils.data.Dataset):
-    """uint8 images (N x 28 x 28) and labels, named and transformed as torchvision's MNIST does."""
+def as_tensors(dataset, stats, device):
+    """All images of a torchvision-style data set (uint8 .data, .targets) as the float tensors its
+    ToTensor + Normalize would give one at a time: the same operations, so bitwise the same values."""
+    inputs = dataset.data.to(device).unsqueeze(1).float().div(255)
+    if stats:
+        mean, std = (torch.tensor([value], device=device).view(-1, 1, 1) for value in stats)
+        inputs = inputs.sub(mean).div(std)
+    return inputs, torch.as_tensor(dataset.targets, device=device)
 
-    def __init__(self, data, targets, transform):
-        self.data, self.targets, self.transform = torch.as_tensor(data), torch.as_tensor(targets), transform
+
+def _tensor_home(dataset, accelerator):
+    """The accelerator's device when the decoded set fits in a quarter of its free memory, else the CPU."""
+    device = accelerator.device
+    if device.type == "cuda":
+        needed = len(dataset) * dataset.data[0].numel() * 4
+        if needed > torch.cuda.mem_get_info(device)[0] // 4:
+            return torch.device("cpu")
+    return device
+
+
+class InMemoryLoader(DataLoaderStateMixin):
+    """Training batches sliced from tensors already on the device, in the order and with the sharding
+    of accelerate's prepared DataLoader with a seeded sampler: per epoch one permutation from
+    seed + epoch, the same on every process; global batch k goes to process k mod N; with several
+    processes, the last batches are topped up from the start of the permutation so that all take the
+    same number of steps. accelerator.prepare leaves it as it is."""
+
+    def __init__(self, inputs, labels, batch_size, accelerator, seed, skip_batches=0):
+        self.inputs, self.labels, self.batch_size, self.seed = inputs, labels, batch_size, seed
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.accelerator = accelerator
+        self.skip_batches = skip_batches
+        self.epoch = 0
+        # DataLoaderStateMixin: tells accelerator.accumulate when the epoch ends, so that a last
+        # partial accumulation window still ends in an optimizer step.
+        self.gradient_state = GradientState()
+        self._drop_last = True
 
     def __len__(self):
-        return len(self.targets)
+        return math.ceil(len(self.labels) / (self.batch_size * self.world_size)) - self.skip_batches
 
-    def __getitem__(self, index):
-        return self.transform(self.data[index].numpy()), int(self.targets[index])
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def skip_first_batches(self, num_batches):
+        skipped = InMemoryLoader(self.inputs, self.labels, self.batch_size, self.accelerator, self.seed, num_batches)
+        skipped.set_epoch(self.epoch)
+        return skipped
+
+    def this_process_batches(self):
+        """The sample indices of this process's batches in this epoch, one row per batch (the last
+        row shorter with one process)."""
+        num_samples = len(self.labels)
+        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        if self.world_size == 1:
+            return list(order.split(self.batch_size))
+        steps = math.ceil(num_samples / (self.batch_size * self.world_size))
+        total = steps * self.world_size * self.batch_size
+        order = order.repeat(math.ceil(total / num_samples))[:total]  # the top-up comes from the start
+        return list(order.view(steps, self.world_size, self.batch_size)[:, self.rank])
+
+    def __iter__(self):
+        batches = self.this_process_batches()
+        self.begin()
+        for step in range(self.skip_batches, len(batches)):
+            self.end_of_dataloader = step == len(batches) - 1
+            index = batches[step].to(self.inputs.device, non_blocking=True)
+            yield self.inputs[index], self.labels[index]
+        self.end()
 
 
-def _from_hub(hub_name, data_dir, transform):
-    """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
-    import datasets as hub  # only this path needs it
-
-    try:
-        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
-        return tuple(
-            ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
-                         np.asarray(splits[split]["label"]), transform)
-            for split in ("train", "test")
-        )
-    except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
-        raise UserError(
-            f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
-            "pass --dataset_name a local data set with train and test splits of image and label columns, "
-            "or use --dataset_source torchvision."
-        ) from None
+def skip_first_batches(accelerator, loader, num_batches):
+    """accelerator.skip_first_batches, which the in-memory loader does itself."""
+    if isinstance(loader, InMemoryLoader):
+        return loader.skip_first_batches(num_batches)
+    return accelerator.skip_first_batches(loader, num_batches)
 
 
 def check_world_size(num_samples, accelerator, what):

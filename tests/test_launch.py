@@ -52,16 +52,21 @@ def test_two_node_profile_has_placeholders_to_fill():
     assert "MAIN_NODE_ADDRESS" in text and re.search(r"machine_rank: 0 +# PLACEHOLDER", text)
 
 
-def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4):
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, PROBE, tmp_path, num_samples, batch_size]
+def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4, pipeline="torchvision"):
+    folder = tmp_path / pipeline
+    folder.mkdir()
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, PROBE, folder, num_samples, batch_size, pipeline]
     run(command, cwd=tmp_path)
-    return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
 
 
+@pytest.mark.parametrize("pipeline", ["torchvision", "memory"])
 @pytest.mark.parametrize("override", [None, 3])
-def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, override):
+def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, override, pipeline):
+    """Both data pipelines: over one epoch each sample is drawn exactly once across the ranks, the
+    order changes between epochs, and every rank agrees on it."""
     flags = ["--config_file", CONFIGS / "cpu.yaml"] + (["--num_processes", str(override)] if override else [])
-    reports = launch_probe(tmp_path, *flags)
+    reports = launch_probe(tmp_path, *flags, pipeline=pipeline)
     world_size = override or 4
     assert [r["rank"] for r in reports] == list(range(world_size))
     for report in reports:
@@ -74,6 +79,19 @@ def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_pat
         assert all(len(shard) == 96 // world_size for shard in shards)
     assert reports[0]["epochs"]["1"] != reports[0]["epochs"]["2"], "reshuffled every epoch"
     assert len({json.dumps(r["all_first_batches"]) for r in reports}) == 1
+
+
+def test_both_pipelines_shard_identically_with_a_ragged_end(tmp_path):
+    """100 samples over 3 processes in batches of 8: the in-memory loader tops up the last batches
+    from the start of the epoch's order exactly as accelerate's prepared DataLoader does."""
+    flags = ["--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3"]
+    by_pipeline = {
+        pipeline: [r["epochs"] for r in launch_probe(tmp_path, *flags, num_samples=100, batch_size=8, pipeline=pipeline)]
+        for pipeline in ("torchvision", "memory")
+    }
+    assert by_pipeline["memory"] == by_pipeline["torchvision"]
+    drawn = sorted(sum((sum(epochs["1"], []) for epochs in by_pipeline["memory"]), []))
+    assert len(drawn) == 3 * 5 * 8 and set(drawn) == set(range(100))  # 20 samples drawn twice
 
 
 def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(tmp_path):

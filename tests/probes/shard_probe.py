@@ -10,19 +10,23 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared import runtime  # noqa: E402
+from shared import data, runtime  # noqa: E402
 
 
 def main():
-    output_dir, num_samples, batch_size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    output_dir, num_samples, batch_size, pipeline = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     accelerator = Accelerator(
         cpu=runtime.cpu_only(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0)
     )
-    loader = accelerator.prepare(DataLoader(torch.arange(num_samples), batch_size=batch_size, shuffle=True))
+    samples = torch.arange(num_samples)
+    if pipeline == "memory":  # the labels are the sample indices
+        loader = accelerator.prepare(data.InMemoryLoader(samples, samples, batch_size, accelerator, seed=0))
+    else:
+        loader = accelerator.prepare(DataLoader(samples, batch_size=batch_size, shuffle=True))
     epochs = {}
     for epoch in (1, 2):
         loader.set_epoch(epoch)
-        epochs[epoch] = [batch.tolist() for batch in loader]
+        epochs[epoch] = [(batch[1] if pipeline == "memory" else batch).tolist() for batch in loader]
     report = {
         "rank": accelerator.process_index,
         "world_size": accelerator.num_processes,
