@@ -81,7 +81,9 @@ def main(argv=None):
     if args.eval_only:
         source = checkpointer.load_for_eval(model)
         result = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
-        return outputs.report_eval(result, source, accelerator, output_dir)
+        outputs.report_eval(result, source, accelerator, output_dir)
+        accelerator.end_training()  # leaves the process group before the interpreter exits
+        return
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
     if args.with_tracking:
         accelerator.init_trackers("mnist_conv", config=outputs.hyperparameters(args))

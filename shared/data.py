@@ -147,6 +147,38 @@ def skip_first_batches(accelerator, loader, num_batches):
     return accelerator.skip_first_batches(loader, num_batches)
 
 
+class ArrayDataset(torch.utils.data.Dataset):
+    """uint8 images (N x 28 x 28) and labels, named and transformed as torchvision's MNIST does."""
+
+    def __init__(self, data, targets, transform):
+        self.data, self.targets, self.transform = torch.as_tensor(data), torch.as_tensor(targets), transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        return self.transform(self.data[index].numpy()), int(self.targets[index])
+
+
+def _from_hub(hub_name, data_dir, transform):
+    """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
+    import datasets as hub  # only this path needs it
+
+    try:
+        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
+        return tuple(
+            ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
+                         np.asarray(splits[split]["label"]), transform)
+            for split in ("train", "test")
+        )
+    except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
+        raise UserError(
+            f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
+            "pass --dataset_name a local data set with train and test splits of image and label columns, "
+            "or use --dataset_source torchvision."
+        ) from None
+
+
 def check_world_size(num_samples, accelerator, what):
     """Stop when some process would get no training sample at all."""
     if accelerator.num_processes > num_samples:

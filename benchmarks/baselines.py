@@ -1,0 +1,177 @@
+"""What the project's scripts are measured against, one function per baseline, each run as N processes
+by `spawn` below (torch.multiprocessing, the way tutorials 000 and 004 start their processes).
+
+- tutorial_recipe: the tutorials' plain recipe: raw torch.distributed (gloo) + DDP + DistributedSampler
+  + a DataLoader that sends every sample through torchvision's ToTensor and Normalize.
+- raw_ddp_memory: raw torch.distributed + DDP on the project's in-memory data path (no Accelerate),
+  to measure what Accelerate itself costs.
+- accelerate_ceiling: the Accelerate-prepared model stepping on batches already in memory, with no
+  loader and no bookkeeping: the step rate that the model and DDP's own communication allow.
+- compute_ceiling: one process, no DDP, the model stepping on one fixed batch: compute only.
+
+Each returns the global training samples per second of every epoch (rank 0's clock, after a barrier).
+"""
+
+import importlib.util
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
+
+# script -> (model class, data set, normalized, optimizer, loss)
+RECIPES = {
+    "cpu_gloo.py": ("SimpleNet", "MNIST", True, torch.optim.SGD, F.cross_entropy),
+    "seq_net.py": ("SeqNet", "FashionMNIST", False, torch.optim.Adam, F.cross_entropy),
+    "mnist_conv.py": ("Net", "MNIST", True, torch.optim.Adadelta, F.nll_loss),
+}
+
+
+def make_model(script):
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / "scripts" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, RECIPES[script][0])()
+
+
+def load_train_set(script, data_dir):
+    _, name, normalize, _, _ = RECIPES[script]
+    steps = [transforms.ToTensor()]
+    if normalize:
+        steps.append(transforms.Normalize((PIXEL_STATS[name][0],), (PIXEL_STATS[name][1],)))
+    return getattr(datasets, name)(data_dir, train=True, transform=transforms.Compose(steps)), (PIXEL_STATS[name] if normalize else None)
+
+
+def epoch_rates(run_epoch, num_epochs, samples_per_epoch):
+    rates = []
+    for epoch in range(1, num_epochs + 1):
+        if dist.is_initialized():
+            dist.barrier()
+        started = time.perf_counter()
+        run_epoch(epoch)
+        if dist.is_initialized():
+            dist.barrier()
+        rates.append(samples_per_epoch / (time.perf_counter() - started))
+    return rates
+
+
+def step(model, optimizer, loss_fn, inputs, labels):
+    optimizer.zero_grad()
+    loss_fn(model(inputs), labels).backward()
+    optimizer.step()
+
+
+def tutorial_recipe(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+    train_set, _ = load_train_set(script, data_dir)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank)
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
+    model = DDP(make_model(script))
+    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+
+    def run_epoch(epoch):
+        sampler.set_epoch(epoch)
+        for images, labels in loader:
+            step(model, optimizer, loss_fn, images, labels)
+
+    return epoch_rates(run_epoch, num_epochs, len(sampler) * world_size)
+
+
+class Ranks:
+    """What InMemoryLoader reads from an Accelerator, taken from torch.distributed instead."""
+
+    def __init__(self, rank, world_size):
+        self.process_index, self.num_processes = rank, world_size
+
+
+def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+    train_set, stats = load_train_set(script, data_dir)
+    inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
+    loader = InMemoryLoader(inputs, labels, batch_size, Ranks(rank, world_size), seed=0)
+    model = DDP(make_model(script))
+    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+
+    def run_epoch(epoch):
+        loader.set_epoch(epoch)
+        for batch_inputs, batch_labels in loader:
+            step(model, optimizer, loss_fn, batch_inputs, batch_labels)
+
+    return epoch_rates(run_epoch, num_epochs, len(loader) * batch_size * world_size)
+
+
+def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    train_set, stats = load_train_set(script, data_dir)
+    inputs, labels = as_tensors(train_set, stats, accelerator.device)
+    steps = len(labels) // (batch_size * world_size)
+    batches = [(inputs[i * batch_size:(i + 1) * batch_size], labels[i * batch_size:(i + 1) * batch_size]) for i in range(steps)]
+    model = make_model(script)
+    optimizer = RECIPES[script][3](model.parameters(), lr=lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loss_fn = RECIPES[script][4]
+
+    def run_epoch(epoch):
+        for batch_inputs, batch_labels in batches:
+            optimizer.zero_grad()
+            accelerator.backward(loss_fn(model(batch_inputs), batch_labels))
+            optimizer.step()
+
+    return epoch_rates(run_epoch, num_epochs, steps * batch_size * world_size)
+
+
+def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+    train_set, stats = load_train_set(script, data_dir)
+    inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
+    inputs, labels = inputs[:batch_size], labels[:batch_size]
+    model = make_model(script)
+    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+    steps = len(train_set) // batch_size
+
+    def run_epoch(epoch):
+        for _ in range(steps):
+            step(model, optimizer, loss_fn, inputs, labels)
+
+    return epoch_rates(run_epoch, num_epochs, steps * batch_size)
+
+
+def _worker(rank, world_size, port, threads, baseline, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    if world_size > 1 and baseline is not accelerate_ceiling:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    rates = baseline(rank, world_size, *args)
+    if rank == 0:
+        results.put(rates)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(baseline, world_size, threads, *args):
+    """Run `baseline` as world_size processes; rank 0's samples per second of every epoch."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_worker, args=(world_size, free_port(), threads, baseline, args, results),
+                       nprocs=world_size, start_method="spawn")
+    return results.get()
