@@ -151,9 +151,11 @@ def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, 
 def _worker(rank, world_size, port, threads, baseline, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(threads)
+    if threads:  # None: torch's default, one thread per core in every process, as the tutorials run
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # else accelerate would pick its own
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
-    if world_size > 1 and baseline is not accelerate_ceiling:
+    if baseline in (tutorial_recipe, raw_ddp_memory):  # DDP needs a group, even of one process
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     rates = baseline(rank, world_size, *args)
     if rank == 0:
@@ -169,7 +171,8 @@ def free_port():
 
 
 def spawn(baseline, world_size, threads, *args):
-    """Run `baseline` as world_size processes; rank 0's samples per second of every epoch."""
+    """Run `baseline` as world_size processes of `threads` threads each (None: torch's default);
+    rank 0's samples per second of every epoch."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     mp.start_processes(_worker, args=(world_size, free_port(), threads, baseline, args, results),

@@ -13,23 +13,26 @@ class EpochStats:
 
     def __init__(self, accelerator, resumed=None):
         self.accelerator = accelerator
-        self.totals = torch.zeros(2, device=accelerator.device)  # loss x samples, samples
+        self.loss_sum = torch.zeros((), device=accelerator.device)  # sum of loss x batch size
+        self.samples = 0
         self.batches = 0
         self.started = time.perf_counter()
         if resumed is not None:
             self.batches = resumed.batches_done
             self.started -= resumed.epoch_seconds
             if accelerator.is_main_process:  # the saved sums are already over all processes
-                self.totals += torch.tensor(resumed.epoch_totals, device=accelerator.device)
+                self.loss_sum += resumed.epoch_totals[0]
+                self.samples = int(resumed.epoch_totals[1])
 
     def add(self, loss, batch_size):
-        self.totals[0] += loss.detach().float() * batch_size
-        self.totals[1] += batch_size
+        self.loss_sum.add_(loss.detach(), alpha=batch_size)  # one small op per step, no sync with the device
+        self.samples += batch_size
         self.batches += 1
 
     def snapshot(self):
         """The sums over all processes so far, and the seconds spent, for a checkpoint."""
-        return tuple(self.accelerator.reduce(self.totals.clone(), reduction="sum").tolist()), time.perf_counter() - self.started
+        totals = torch.stack([self.loss_sum.float(), torch.tensor(float(self.samples), device=self.loss_sum.device)])
+        return tuple(self.accelerator.reduce(totals, reduction="sum").tolist()), time.perf_counter() - self.started
 
     def finish(self):
         """Mean loss over every process's samples, and the global samples per second."""
