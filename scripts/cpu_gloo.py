@@ -59,7 +59,8 @@ def main(argv=None):
     model = SimpleNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-    # prepare() wraps the model in DDP and gives each process a disjoint shard of each loader.
+    # prepare() wraps the model in DDP, moves it to the device and shards DataLoaders across
+    # processes (the in-memory loader shards itself the same way and passes through unchanged).
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler
     )
@@ -68,11 +69,7 @@ def main(argv=None):
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
     checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
     if args.eval_only:
-        source = checkpointer.load_for_eval(model)
-        result = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
-        outputs.report_eval(result, source, accelerator, output_dir)
-        accelerator.end_training()  # leaves the process group before the interpreter exits
-        return
+        return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=10)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
     if args.with_tracking:
         accelerator.init_trackers("cpu_gloo", config=outputs.hyperparameters(args))
@@ -83,8 +80,8 @@ def main(argv=None):
         resumed = start if epoch == start.epoch else None
         batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resumed else train_loader
         stats = metrics.EpochStats(accelerator, resumed)
-        progress = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
-        for batch_idx, (images, labels) in enumerate(progress, start=stats.batches):  # counts on after a resume
+        progress_bar = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
+        for batch_idx, (images, labels) in enumerate(progress_bar, start=stats.batches):  # counts on after a resume
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(images), labels)
                 accelerator.backward(loss)  # gradients are averaged across processes here
@@ -99,7 +96,8 @@ def main(argv=None):
 
         train_metrics = stats.finish()  # summed over all ranks
         eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=10)
-        record = metrics_log.write(epoch, train_metrics, eval_metrics, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
+        progress = {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]}
+        record = metrics_log.write(epoch, train_metrics, eval_metrics, progress)
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
         accelerator.log(outputs.scalars(record), step=epoch)
         checkpointer.epoch_done(epoch)

@@ -71,7 +71,8 @@ def main(argv=None):
     model = Net()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-    # prepare() wraps the model in DDP, moves it to the device and shards both loaders across processes.
+    # prepare() wraps the model in DDP, moves it to the device and shards DataLoaders across
+    # processes (the in-memory loader shards itself the same way and passes through unchanged).
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler
     )
@@ -79,11 +80,7 @@ def main(argv=None):
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
     checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
     if args.eval_only:
-        source = checkpointer.load_for_eval(model)
-        result = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
-        outputs.report_eval(result, source, accelerator, output_dir)
-        accelerator.end_training()  # leaves the process group before the interpreter exits
-        return
+        return checkpointer.evaluate_only(model, test_loader, F.nll_loss, num_classes=10)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
     if args.with_tracking:
         accelerator.init_trackers("mnist_conv", config=outputs.hyperparameters(args))
@@ -107,7 +104,8 @@ def main(argv=None):
 
         train_metrics = stats.finish()
         eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
-        record = metrics_log.write(epoch, train_metrics, eval_metrics, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
+        progress = {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]}
+        record = metrics_log.write(epoch, train_metrics, eval_metrics, progress)
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
         accelerator.log(outputs.scalars(record), step=epoch)
         checkpointer.epoch_done(epoch)

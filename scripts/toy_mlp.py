@@ -78,11 +78,7 @@ def main(argv=None):
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
     checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
     if args.eval_only:
-        source = checkpointer.load_for_eval(model)
-        result = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
-        outputs.report_eval(result, source, accelerator, output_dir)
-        accelerator.end_training()  # leaves the process group before the interpreter exits
-        return
+        return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=2)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
     if args.with_tracking:
         accelerator.init_trackers("toy_mlp", config=outputs.hyperparameters(args))
@@ -108,7 +104,8 @@ def main(argv=None):
         train_metrics = stats.finish()
         train_eval = metrics.evaluate(model, train_eval_loader, accelerator, F.cross_entropy, num_classes=2, prefix="train_eval")
         test_eval = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
-        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval, {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]})
+        progress = {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]}
+        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval, progress)
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
         accelerator.log(outputs.scalars(record), step=epoch)
         checkpointer.epoch_done(epoch)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from shared import metrics, outputs
 from shared.runtime import UserError, first_line
 
 CHECKPOINT_FOLDER = "checkpoints"
@@ -137,6 +138,13 @@ class Checkpointer:
                 f"{state['world_size']} processes and --batch_size {state['batch_size']}, or from an epoch checkpoint."
             )
         return state["samples_done"] // global_batch
+
+    def evaluate_only(self, model, test_loader, loss_fn, num_classes):
+        """--eval_only: evaluate the weights of --resume_from_checkpoint over all processes, print and save it."""
+        source = self.load_for_eval(model)
+        result = metrics.evaluate(model, test_loader, self.accelerator, loss_fn, num_classes)
+        outputs.report_eval(result, source, self.accelerator, self.metrics_log.path.parent)
+        self.accelerator.end_training()  # leaves the process group before the interpreter exits
 
     def load_for_eval(self, model):
         """--eval_only: the weights of a checkpoint folder (or 'latest') or of a model.safetensors file."""
