@@ -53,6 +53,7 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
     args = ["--data_dir", small_data, *FLAGS]
     reference = tmp_path / "reference"
     run(training_command(num_processes, "--output_dir", reference, *args), cwd=tmp_path)
+    assert {r["world_size"] for r in read_metrics(reference)} == {num_processes}
 
     killed = tmp_path / "killed"
     job = subprocess.Popen([str(c) for c in training_command(num_processes, "--output_dir", killed, *args)],

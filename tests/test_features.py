@@ -52,7 +52,10 @@ def train(script, tmp_path, name, *flags, num_processes=None, data_dir=None):
     output_dir = tmp_path / name
     args = ["--output_dir", output_dir, *flags] + (["--data_dir", data_dir] if data_dir else [])
     command = python_command(script, *args) if num_processes is None else launch_command(script, *args, num_processes=num_processes)
-    return output_dir, run(command, cwd=tmp_path)
+    result = run(command, cwd=tmp_path)
+    if "--eval_only" not in args:  # the last epoch ran with the processes launched, not one alone
+        assert read_metrics(output_dir)[-1]["world_size"] == (num_processes or 1)
+    return output_dir, result
 
 
 def resume_from(source_dir, checkpoint, target_dir):
