@@ -30,7 +30,6 @@ class Position:
     global_step: int = 0  # optimizer steps taken so far
     epoch_totals: tuple = (0.0, 0.0)  # loss x samples and samples of the epoch so far, all processes
     epoch_seconds: float = 0.0
-    elapsed_s: float = 0.0
 
 
 class Checkpointer:
@@ -117,10 +116,7 @@ class Checkpointer:
         self.global_step = state["global_step"]
         self.metrics_log.resume(completed_epochs=state["epoch"] - 1, elapsed_s=state["elapsed_s"])
         self.accelerator.print(f"Resumed from {path}: epoch {state['epoch']}, {batches_done} batches in, step {self.global_step}.")
-        return Position(
-            state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]),
-            state["epoch_seconds"], state["elapsed_s"],
-        )
+        return Position(state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]), state["epoch_seconds"])
 
     def _batches_to_skip(self, path, state):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the

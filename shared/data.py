@@ -1,7 +1,6 @@
 """MNIST-family data: downloaded once per machine, read from torchvision's folder layout."""
 
 import contextlib
-import gzip
 import math
 import struct
 from pathlib import Path
@@ -214,9 +213,7 @@ def write_idx(path, array):
     """Write a uint8 array as an IDX file, the format MNIST ships in (used by tests and offline set-up)."""
     array = np.ascontiguousarray(array, dtype=np.uint8)
     header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "wb") as file:
-        file.write(header + array.tobytes())
+    Path(path).write_bytes(header + array.tobytes())
 
 
 def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):
