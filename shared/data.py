@@ -118,24 +118,23 @@ class InMemoryLoader(DataLoaderStateMixin):
         return skipped
 
     def this_process_batches(self):
-        """The sample indices of this process's batches in this epoch, one row per batch (the last
-        row shorter with one process)."""
+        """The sample indices of this process's batches in this epoch, on the data's device, one row
+        per batch (the last row shorter with one process)."""
         num_samples = len(self.labels)
         order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         if self.world_size == 1:
-            return list(order.split(self.batch_size))
+            return list(order.to(self.inputs.device).split(self.batch_size))
         steps = math.ceil(num_samples / (self.batch_size * self.world_size))
         total = steps * self.world_size * self.batch_size
         order = order.repeat(math.ceil(total / num_samples))[:total]  # the top-up comes from the start
-        return list(order.view(steps, self.world_size, self.batch_size)[:, self.rank])
+        return list(order.view(steps, self.world_size, self.batch_size)[:, self.rank].to(self.inputs.device))
 
     def __iter__(self):
         batches = self.this_process_batches()
         self.begin()
         for step in range(self.skip_batches, len(batches)):
             self.end_of_dataloader = step == len(batches) - 1
-            index = batches[step].to(self.inputs.device, non_blocking=True)
-            yield self.inputs[index], self.labels[index]
+            yield self.inputs[batches[step]], self.labels[batches[step]]
         self.end()
 
 

@@ -52,7 +52,8 @@ def evaluate(model, loader, accelerator, loss_fn, num_classes, prefix="eval"):
     gather_for_metrics drops that padding again.
     """
     model.eval()
-    loss_sum, correct = 0.0, 0
+    # Sums stay on the device (float64 for the loss) and are read once at the end, not every batch.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     class_correct = torch.zeros(num_classes, dtype=torch.long, device=accelerator.device)
     class_total = torch.zeros(num_classes, dtype=torch.long, device=accelerator.device)
     for inputs, labels in loader:
@@ -60,15 +61,14 @@ def evaluate(model, loader, accelerator, loss_fn, num_classes, prefix="eval"):
         losses = loss_fn(outputs.float(), labels, reduction="none")
         hits = outputs.argmax(dim=1) == labels
         losses, hits, labels = accelerator.gather_for_metrics((losses, hits, labels))
-        loss_sum += losses.sum().item()
-        correct += hits.sum().item()
+        loss_sum += losses.double().sum()
         class_total += torch.bincount(labels, minlength=num_classes)
         class_correct += torch.bincount(labels[hits], minlength=num_classes)
     model.train()
     count = int(class_total.sum())
     return {
-        f"{prefix}_loss": loss_sum / max(count, 1),
-        f"{prefix}_accuracy": correct / max(count, 1),
+        f"{prefix}_loss": loss_sum.item() / max(count, 1),
+        f"{prefix}_accuracy": int(class_correct.sum()) / max(count, 1),
         f"{prefix}_samples": count,
         f"{prefix}_per_class_accuracy": (class_correct / class_total.clamp(min=1)).tolist(),
     }
