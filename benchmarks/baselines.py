@@ -4,9 +4,10 @@ by `spawn` below (torch.multiprocessing, the way tutorials 000 and 004 start the
 - tutorial_recipe: the tutorials' plain recipe: raw torch.distributed (gloo) + DDP + DistributedSampler
   + a DataLoader that sends every sample through torchvision's ToTensor and Normalize.
 - raw_ddp_memory: raw torch.distributed + DDP on the project's in-memory data path (no Accelerate),
-  to measure what Accelerate itself costs.
+  to measure what Accelerate itself costs; on one process the bare model, as Accelerate runs it.
 - accelerate_ceiling: the Accelerate-prepared model stepping on batches already in memory, with no
-  loader and no bookkeeping: the step rate that the model and DDP's own communication allow.
+  loader and no bookkeeping: the step rate that the model and DDP's own communication allow (on one
+  process Accelerate uses no DDP, so neither does this).
 - compute_ceiling: one process, no DDP, the model stepping on one fixed batch: compute only.
 
 Each returns the global training samples per second of every epoch (rank 0's clock, after a barrier).
@@ -100,7 +101,7 @@ def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, l
     train_set, stats = load_train_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     loader = InMemoryLoader(inputs, labels, batch_size, Ranks(rank, world_size), seed=0)
-    model = DDP(make_model(script))
+    model = DDP(make_model(script)) if world_size > 1 else make_model(script)
     optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
 
     def run_epoch(epoch):
@@ -149,19 +150,28 @@ def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, 
 
 
 def _worker(rank, world_size, port, threads, baseline, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    # One process runs without a process group, as `python scripts/x.py` does (Accelerate then does
+    # not wrap the model in DDP); only the tutorial's recipe wraps even one process in DDP.
+    distributed = world_size > 1 or baseline is tutorial_recipe
+    if distributed:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     if threads:  # None: torch's default, one thread per core in every process, as the tutorials run
         os.environ["OMP_NUM_THREADS"] = str(threads)  # else accelerate would pick its own
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    if baseline in (tutorial_recipe, raw_ddp_memory):  # DDP needs a group, even of one process
+    if distributed and baseline in (tutorial_recipe, raw_ddp_memory):  # Accelerate starts its own
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     rates = baseline(rank, world_size, *args)
     if rank == 0:
         results.put(rates)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def threads_for(processes):
+    """The threads each of `processes` processes gets: this machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // processes)
 
 
 def free_port():

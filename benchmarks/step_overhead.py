@@ -1,12 +1,18 @@
-"""Microseconds per training step of the linear net (batch 64, 500 in-memory batches, one process,
-2 threads), from a plain PyTorch loop up to the scripts' own loop, one layer at a time:
+"""Microseconds per training step of cpu_gloo's linear net (batch 64, the in-memory data path), from
+a plain PyTorch loop up to the scripts' own loop, for 1 and 2 processes:
 
     python benchmarks/step_overhead.py
+    python benchmarks/step_overhead.py --processes 2 --blocks 60
 
-It shows what accelerate's prepared optimizer costs with and without the cached package check in
-shared/runtime.py (accelerate asks importlib whether lomo_optim is installed at every step).
+The loops take turns inside the same processes, in blocks of --steps steps, so that a shared
+machine's drift falls on all of them alike; each figure is the median over blocks, and the ratio is
+the median of plain / loop within a block. "plain" is the plain PyTorch way: the bare model on one
+process, DDP on several. It shows what Accelerate's wrappers cost as shipped, and with the two
+per-step look-ups that shared/runtime.py answers once.
 """
 
+import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -14,71 +20,95 @@ from pathlib import Path
 import accelerate.optimizer
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
-uncached_check = accelerate.optimizer.is_lomo_available
+SHIPPED = {"is_lomo_available": accelerate.optimizer.is_lomo_available, "inspect": accelerate.optimizer.inspect}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shared import metrics, runtime  # noqa: E402, F401  (importing shared.runtime caches the check)
+import baselines  # noqa: E402
+from shared import metrics, runtime  # noqa: E402, F401  (importing shared.runtime installs its answers)
 
-torch.set_num_threads(2)
-torch.manual_seed(0)
-INPUTS, LABELS = torch.randn(500 * 64, 1, 28, 28), torch.randint(0, 10, (500 * 64,))
-BATCHES = list(zip(INPUTS.split(64), LABELS.split(64)))
-
-
-def net():
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+TRIMMED = {name: getattr(accelerate.optimizer, name) for name in SHIPPED}
+BATCH_SIZE = 64
+LOOPS = ("plain PyTorch", "Accelerate as shipped", "Accelerate + shared/runtime.py", "the scripts' loop")
 
 
-def per_step_us(loop, repeats=5):
-    loop()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        loop()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[repeats // 2] / len(BATCHES) * 1e6
+def use(answers):
+    for name, value in answers.items():
+        setattr(accelerate.optimizer, name, value)
 
 
-def main():
-    model = net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+def measure(rank, world_size, blocks, steps):
+    """Rank 0's microseconds per step of every loop in every block (runs in each spawned process)."""
+    from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    inputs = torch.randn(BATCH_SIZE * world_size * steps, 1, 28, 28)
+    labels = torch.randint(0, 10, (len(inputs),))
+    loader = baselines.InMemoryLoader(inputs, labels, BATCH_SIZE, accelerator, seed=0)
+
+    plain_model = baselines.make_model("cpu_gloo.py")
+    plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+    if world_size > 1:
+        plain_model = DDP(plain_model)
+    model = baselines.make_model("cpu_gloo.py")
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
 
     def plain():
-        for x, y in BATCHES:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-
-    accelerator = Accelerator(cpu=True)
-    prepared_model = net()
-    prepared_model, prepared_optimizer = accelerator.prepare(prepared_model, torch.optim.SGD(prepared_model.parameters(), lr=0.01))
+        for x, y in loader:
+            plain_optimizer.zero_grad()
+            F.cross_entropy(plain_model(x), y).backward()
+            plain_optimizer.step()
 
     def prepared():
-        for x, y in BATCHES:
-            prepared_optimizer.zero_grad()
-            accelerator.backward(F.cross_entropy(prepared_model(x), y))
-            prepared_optimizer.step()
+        for x, y in loader:
+            optimizer.zero_grad()
+            accelerator.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
 
     def scripts_loop():
         stats = metrics.EpochStats(accelerator)
-        for x, y in BATCHES:
-            with accelerator.accumulate(prepared_model):
-                loss = F.cross_entropy(prepared_model(x), y)
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
                 accelerator.backward(loss)
-                prepared_optimizer.step()
-                prepared_optimizer.zero_grad()
+                optimizer.step()
+                optimizer.zero_grad()
             stats.add(loss, len(y))
 
-    cached_check = accelerate.optimizer.is_lomo_available
-    assert cached_check is not uncached_check, "shared.runtime caches the check"
-    print("| loop | us per step |\n|---|---|")
-    print(f"| plain PyTorch loop | {per_step_us(plain):.0f} |")
-    accelerate.optimizer.is_lomo_available = uncached_check
-    print(f"| Accelerate, package check as shipped | {per_step_us(prepared):.0f} |")
-    accelerate.optimizer.is_lomo_available = cached_check
-    print(f"| Accelerate, package check cached (shared/runtime.py) | {per_step_us(prepared):.0f} |")
-    print(f"| the scripts' loop: + accumulate and epoch sums | {per_step_us(scripts_loop):.0f} |")
+    runs = {LOOPS[0]: (plain, TRIMMED), LOOPS[1]: (prepared, SHIPPED), LOOPS[2]: (prepared, TRIMMED), LOOPS[3]: (scripts_loop, TRIMMED)}
+    results = []
+    for block in range(blocks + 1):  # block 0 warms up
+        order = LOOPS[block % len(LOOPS):] + LOOPS[:block % len(LOOPS)]
+        timings = {}
+        for name in order:
+            loop, answers = runs[name]
+            use(answers)
+            accelerator.wait_for_everyone()
+            started = time.perf_counter()
+            loop()
+            timings[name] = (time.perf_counter() - started) / len(loader) * 1e6
+        if block:
+            results.append(timings)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=50, help="steps per loop per block")
+    args = parser.parse_args()
+    print("| processes | loop | us per step (median) | plain / loop (median, middle half of blocks) |\n|---|---|---|---|")
+    for processes in args.processes:
+        threads = baselines.threads_for(processes)
+        blocks = baselines.spawn(measure, processes, threads, args.blocks, args.steps)
+        for name in LOOPS:
+            ratios = sorted(block[LOOPS[0]] / block[name] for block in blocks)
+            quarter = len(ratios) // 4
+            print(f"| {processes} | {name} | {statistics.median(block[name] for block in blocks):.0f} | "
+                  f"{statistics.median(ratios):.3f} ({ratios[quarter]:.3f}-{ratios[-1 - quarter]:.3f}) |")
+
 
 if __name__ == "__main__":
     main()

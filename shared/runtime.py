@@ -1,6 +1,7 @@
 """Process-level plumbing: picking CPU or GPU, and turning user mistakes into one sentence."""
 
 import functools
+import inspect
 import os
 import sys
 import time
@@ -8,11 +9,29 @@ import time
 import accelerate.optimizer
 import torch
 
-# accelerate (1.15) asks importlib at every optimizer step whether the lomo_optim package is
-# installed: an uncached search of sys.path that costs about 0.1 ms a step, more than half a small
-# net's training step on a CPU (benchmarks/step_overhead.py). Packages do not change in a run: ask once.
+
+class _SignatureCache:
+    """The inspect module as accelerate.optimizer sees it, with signature() remembered per function."""
+
+    _signature_of = staticmethod(functools.cache(inspect.signature))
+
+    def signature(self, function):
+        # A bound method is a new object at every attribute access: key on the function itself.
+        return self._signature_of(getattr(function, "__func__", function))
+
+    def __getattr__(self, name):
+        return getattr(inspect, name)
+
+
+# accelerate (1.15) looks up two answers at every optimizer step that cannot change during a run:
+# AcceleratedOptimizer.step asks importlib whether the lomo_optim package is installed (an uncached
+# search of sys.path, about 0.1 ms) and zero_grad reads the wrapped optimizer's signature (about
+# 20 us) to learn whether it takes set_to_none. Together that is more than half of a small net's
+# step on a CPU (benchmarks/step_overhead.py). Each is now asked once.
 if hasattr(accelerate.optimizer, "is_lomo_available"):
     accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
+if getattr(accelerate.optimizer, "inspect", None) is inspect:
+    accelerate.optimizer.inspect = _SignatureCache()
 
 
 class UserError(Exception):
