@@ -95,14 +95,16 @@ def variants(script, processes, data_dir, num_epochs, workdir):
     }
 
 
-def measure(scripts, process_counts, num_epochs, repeats, workdir):
+def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, train_samples=None):
     """Every variant `repeats` times, in rounds that rotate their order so that no variant always runs
-    first or after the slowest; a row holds each variant's median and every round's figures."""
+    first or after the slowest; a row holds each variant's median and every round's figures. The rows
+    so far are saved to json_path after each one, so a run that is stopped keeps what it measured."""
     rows = []
     for script in scripts:
-        data_dir = Path(workdir) / f"data_{SETTINGS[script][2]}"
+        num_train = train_samples or SETTINGS[script][2]
+        data_dir = Path(workdir) / f"data_{num_train}"
         if not data_dir.exists():
-            write_data(data_dir, SETTINGS[script][2])
+            write_data(data_dir, num_train)
         for processes in process_counts:
             runs = variants(script, processes, data_dir, num_epochs, workdir)
             names = list(runs)
@@ -113,9 +115,14 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir):
                 print(f"measured {script} x{processes}, round {round_index + 1}/{repeats}: "
                       + ", ".join(f"{name} {rounds[-1][name]:,.0f}" for name in names), file=sys.stderr, flush=True)
             row = {"script": script, "processes": processes, "batch_size": SETTINGS[script][0], "rounds": rounds}
-            row.update({name: statistics.median(r[name] for r in rounds) for name in names})
             rows.append(row)
+            Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def medians(row):
+    """A row with each variant's median over its rounds."""
+    return {**row, **{name: statistics.median(r[name] for r in row["rounds"]) for name in row["rounds"][0]}}
 
 
 def ratio(row, numerator, denominator):
@@ -205,16 +212,23 @@ def main():
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--num_epochs", type=int, default=4, help="epoch 1 is warm-up; the fastest of the rest is reported")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant; each figure is the median over rounds")
-    parser.add_argument("--output", default="benchmarks/throughput", help="writes <output>.png and <output>.json")
+    parser.add_argument("--train_samples", type=int, help="training samples per data set (default: 24,000 for the linear nets, 6,000 for the conv net)")
+    parser.add_argument("--output", default="benchmarks/throughput", help="writes <output>.json (after every row) and <output>.png")
+    parser.add_argument("--tables_from", metavar="JSON", help="measure nothing: print the tables of a saved <output>.json and redraw its PNG")
     args = parser.parse_args()
-    started = time.time()
-    with tempfile.TemporaryDirectory() as workdir:
-        rows = measure(args.scripts, args.processes, args.num_epochs, args.repeats, workdir)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.output}.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, f"{args.output}.png")
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, {torch.__version__}, CPU only; "
-          f"{time.strftime('%Y-%m-%d')}; {args.repeats} rounds; {time.time() - started:.0f} s.\n")
+    if args.tables_from:
+        rows = [medians(row) for row in json.loads(Path(args.tables_from).read_text())]
+        plot(rows, Path(args.tables_from).with_suffix(".png"))
+        print(f"Tables of {args.tables_from}, {sum(len(r['rounds']) for r in rows) // len(rows)} rounds a row.\n")
+    else:
+        started = time.time()
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as workdir:
+            rows = [medians(row) for row in measure(args.scripts, args.processes, args.num_epochs, args.repeats,
+                                                    workdir, f"{args.output}.json", args.train_samples)]
+        plot(rows, f"{args.output}.png")
+        print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, {torch.__version__}, CPU only; "
+              f"{time.strftime('%Y-%m-%d')}; {args.repeats} rounds; {time.time() - started:.0f} s.\n")
     print(tables(rows))
     print("\nTargets:\n" + targets(rows))
 
