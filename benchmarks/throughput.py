@@ -97,8 +97,8 @@ def variants(script, processes, data_dir, num_epochs, workdir):
 
 def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, train_samples=None):
     """Every variant `repeats` times, in rounds that rotate their order so that no variant always runs
-    first or after the slowest; a row holds each variant's median and every round's figures. The rows
-    so far are saved to json_path after each one, so a run that is stopped keeps what it measured."""
+    first or after the slowest; a row holds every round's figures (see medians). The rows so far are
+    saved to json_path after each one, so a run that is stopped keeps what it measured."""
     rows = []
     for script in scripts:
         num_train = train_samples or SETTINGS[script][2]
