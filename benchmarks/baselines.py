@@ -169,6 +169,12 @@ def _worker(rank, world_size, port, threads, baseline, args, results):
         dist.destroy_process_group()
 
 
+def rotated(names, turn):
+    """names, starting at position turn (mod len): each variant takes its turn at running first."""
+    start = turn % len(names)
+    return names[start:] + names[:start]
+
+
 def threads_for(processes):
     """The threads each of `processes` processes gets: this machine's cores shared out, at least one."""
     return max(1, (os.cpu_count() or 1) // processes)

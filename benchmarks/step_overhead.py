@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import baselines  # noqa: E402
 from shared import metrics, runtime  # noqa: E402, F401  (importing shared.runtime installs its answers)
+from shared.data import InMemoryLoader  # noqa: E402
 
 TRIMMED = {name: getattr(accelerate.optimizer, name) for name in SHIPPED}
 BATCH_SIZE = 64
@@ -45,7 +46,7 @@ def measure(rank, world_size, blocks, steps):
     accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
     inputs = torch.randn(BATCH_SIZE * world_size * steps, 1, 28, 28)
     labels = torch.randint(0, 10, (len(inputs),))
-    loader = baselines.InMemoryLoader(inputs, labels, BATCH_SIZE, accelerator, seed=0)
+    loader = InMemoryLoader(inputs, labels, BATCH_SIZE, accelerator, seed=0)
 
     plain_model = baselines.make_model("cpu_gloo.py")
     plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01)
@@ -56,9 +57,7 @@ def measure(rank, world_size, blocks, steps):
 
     def plain():
         for x, y in loader:
-            plain_optimizer.zero_grad()
-            F.cross_entropy(plain_model(x), y).backward()
-            plain_optimizer.step()
+            baselines.step(plain_model, plain_optimizer, F.cross_entropy, x, y)
 
     def prepared():
         for x, y in loader:
@@ -79,7 +78,7 @@ def measure(rank, world_size, blocks, steps):
     runs = {LOOPS[0]: (plain, TRIMMED), LOOPS[1]: (prepared, SHIPPED), LOOPS[2]: (prepared, TRIMMED), LOOPS[3]: (scripts_loop, TRIMMED)}
     results = []
     for block in range(blocks + 1):  # block 0 warms up
-        order = LOOPS[block % len(LOOPS):] + LOOPS[:block % len(LOOPS)]
+        order = baselines.rotated(LOOPS, block)
         timings = {}
         for name in order:
             loop, answers = runs[name]

@@ -110,7 +110,7 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, tr
             names = list(runs)
             rounds = []
             for round_index in range(repeats):
-                order = names[round_index % len(names):] + names[:round_index % len(names)]
+                order = baselines.rotated(names, round_index)
                 rounds.append({name: runs[name]() for name in order})
                 print(f"measured {script} x{processes}, round {round_index + 1}/{repeats}: "
                       + ", ".join(f"{name} {rounds[-1][name]:,.0f}" for name in names), file=sys.stderr, flush=True)
