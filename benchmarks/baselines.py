@@ -7,7 +7,8 @@ by `spawn` below (torch.multiprocessing, the way tutorials 000 and 004 start the
   to measure what Accelerate itself costs; on one process the bare model, as Accelerate runs it.
 - accelerate_ceiling: the Accelerate-prepared model stepping on batches already in memory, with no
   loader and no bookkeeping: the step rate that the model and DDP's own communication allow (on one
-  process Accelerate uses no DDP, so neither does this).
+  process Accelerate uses no DDP, so neither does this). On the CPU, or with a GpuSetting on the
+  device Accelerate picks (the GPU where there is one; benchmarks/gpu_throughput.py).
 - compute_ceiling: one process, no DDP, the model stepping on one fixed batch: compute only.
 
 Each returns the global training samples per second of every epoch (rank 0's clock, after a barrier).
@@ -18,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,14 +61,20 @@ def load_train_set(script, data_dir):
 def epoch_rates(run_epoch, num_epochs, samples_per_epoch):
     rates = []
     for epoch in range(1, num_epochs + 1):
-        if dist.is_initialized():
-            dist.barrier()
+        finish_queued_work()
         started = time.perf_counter()
         run_epoch(epoch)
-        if dist.is_initialized():
-            dist.barrier()
+        finish_queued_work()
         rates.append(samples_per_epoch / (time.perf_counter() - started))
     return rates
+
+
+def finish_queued_work():
+    """Wait for every process and for the GPU's queue, so that a clock reading covers the work."""
+    if dist.is_initialized():
+        dist.barrier()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def step(model, optimizer, loss_fn, inputs, labels):
@@ -112,15 +120,31 @@ def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, l
     return epoch_rates(run_epoch, num_epochs, len(loader) * batch_size * world_size)
 
 
-def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+@dataclass(frozen=True)
+class GpuSetting:
+    """How mnist_conv trains in benchmarks/gpu_throughput.py: its --mixed_precision and --channels_last,
+    and torch.compile at launch."""
+
+    mixed_precision: str = "no"
+    channels_last: bool = False
+    compile: bool = False
+
+
+def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr, gpu_setting=None):
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    if gpu_setting is None:
+        accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    else:
+        accelerator = Accelerator(mixed_precision=gpu_setting.mixed_precision,
+                                  dynamo_backend="inductor" if gpu_setting.compile else "no")
     train_set, stats = load_train_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, accelerator.device)
     steps = len(labels) // (batch_size * world_size)
     batches = [(inputs[i * batch_size:(i + 1) * batch_size], labels[i * batch_size:(i + 1) * batch_size]) for i in range(steps)]
     model = make_model(script)
+    if gpu_setting and gpu_setting.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     optimizer = RECIPES[script][3](model.parameters(), lr=lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     loss_fn = RECIPES[script][4]

@@ -30,3 +30,15 @@ def test_step_overhead_benchmark_times_every_loop():
     result = run([sys.executable, BENCHMARKS / "step_overhead.py", "--processes", "1", "2", "--blocks", "1", "--steps", "5"], cwd=REPO)
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 8, result.stdout  # four loops at each of the two process counts
+
+
+def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
+    """On this CPU the GPU benchmark only checks its command: the script and its ceiling, with the
+    options of the large-batch rows (bf16, channels_last)."""
+    result = run([sys.executable, BENCHMARKS / "gpu_throughput.py", "--settings", "large bf16 channels_last",
+                  "--train_samples", "512", "--large_batch", "128", "--num_epochs", "2", "--output", tmp_path / "gpu.json"], cwd=REPO)
+    (row,) = json.loads((tmp_path / "gpu.json").read_text())
+    assert (row["batch_size"], row["mixed_precision"], row["channels_last"], row["compile"]) == (128, "bf16", True, False)
+    assert row["script"] > 0 and row["ceiling"] > 0
+    assert "| large bf16 channels_last | 128 | bf16 | yes | no |" in result.stdout
+    assert "no GPU" in result.stdout and "Targets" not in result.stdout

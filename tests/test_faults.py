@@ -18,8 +18,8 @@ from shared.checkpoints import latest_checkpoint, read_state  # noqa: E402
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 CRASH_PROBE = Path(__file__).resolve().parent / "probes" / "crash_in_save.py"
-# A run long enough to be killed in the middle: 512 samples in batches of 8, 30 epochs.
-FLAGS = ["--batch_size", "8", "--num_epochs", "30", "--checkpointing_steps", "50", "--log_interval", "1000"]
+# A run long enough to be killed in the middle: 512 samples in batches of 8, 12 epochs.
+FLAGS = ["--batch_size", "8", "--num_epochs", "12", "--checkpointing_steps", "50", "--log_interval", "1000"]
 KILL_DEADLINE_S = 30
 
 

@@ -48,11 +48,15 @@ def assert_same_records(a, b, rel=0.0):
             assert left[key] == pytest.approx(right[key], rel=rel), key
 
 
+def script_command(script, *args, num_processes=None):
+    """python scripts/X.py for one process (None), else accelerate launch with the CPU profile."""
+    return python_command(script, *args) if num_processes is None else launch_command(script, *args, num_processes=num_processes)
+
+
 def train(script, tmp_path, name, *flags, num_processes=None, data_dir=None):
     output_dir = tmp_path / name
     args = ["--output_dir", output_dir, *flags] + (["--data_dir", data_dir] if data_dir else [])
-    command = python_command(script, *args) if num_processes is None else launch_command(script, *args, num_processes=num_processes)
-    result = run(command, cwd=tmp_path)
+    result = run(script_command(script, *args, num_processes=num_processes), cwd=tmp_path)
     if "--eval_only" not in args:  # the last epoch ran with the processes launched, not one alone
         assert read_metrics(output_dir)[-1]["world_size"] == (num_processes or 1)
     return output_dir, result
@@ -145,11 +149,12 @@ def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_pat
     run_dir, _ = train(script, tmp_path, "run", *flags)
     last = read_metrics(run_dir)[-1]
     checkpoint = next((run_dir / "checkpoints").iterdir())
-    for source in (checkpoint, run_dir / "model.safetensors"):
-        result = run(launch_command(script, "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
-                                    "--resume_from_checkpoint", source, num_processes=2), cwd=tmp_path)
+    # From the checkpoint on 2 processes (their shards gathered), from the model file on one.
+    for source, num_processes in ((checkpoint, 2), (run_dir / "model.safetensors", None)):
+        result = run(script_command(script, "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+                                    "--resume_from_checkpoint", source, num_processes=num_processes), cwd=tmp_path)
         evaluation = json.loads((run_dir / "eval.json").read_text())
-        assert evaluation["world_size"] == 2 and evaluation["eval_samples"] == last["eval_samples"]
+        assert evaluation["world_size"] == (num_processes or 1) and evaluation["eval_samples"] == last["eval_samples"]
         assert evaluation["eval_accuracy"] == pytest.approx(last["eval_accuracy"], abs=1e-9)
         assert len(evaluation["eval_per_class_accuracy"]) == len(last["eval_per_class_accuracy"])
         assert "class 1:" in result.stdout and f"eval_accuracy {last['eval_accuracy']:.4f}" in result.stdout
@@ -158,16 +163,43 @@ def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_pat
 
 # -- precision, accumulation, schedule ------------------------------------------------------------
 
+def test_channels_last_trains_and_saves_weights_that_load_into_the_plain_net(data_dir, tmp_path):
+    run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "1", "--channels_last",
+                       "--checkpointing_steps", "epoch")
+    assert read_metrics(run_dir)[-1]["eval_accuracy"] > 0.5
+    model = load_script_module(SCRIPTS / "mnist_conv.py").Net()
+    model.load_state_dict(weights(run_dir))  # strict, from the main process's contiguous copy
+    result = run(script_command("mnist_conv.py", "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only", "--channels_last",
+                                "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert f"eval_accuracy {read_metrics(run_dir)[-1]['eval_accuracy']:.4f}" in result.stdout
+
+
+
 @pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
-def test_bf16_on_cpu_changes_the_arithmetic_and_still_learns(script, data_dir, tmp_path):
+def test_bf16_on_cpu_changes_the_arithmetic_learns_and_is_tracked(script, data_dir, tmp_path):
+    """A bf16 run differs from the fp32 one and still learns; with --with_tracking --report_to all,
+    TensorBoard and MLflow hold the epochs of its metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     flags = ["--data_dir", data_dir, *FEATURE_RUNS[script][0]]
     plain, _ = train(script, tmp_path, "fp32", *flags)
-    bf16, _ = train(script, tmp_path, "bf16", *flags, "--mixed_precision", "bf16")
+    bf16, _ = train(script, tmp_path, "bf16", *flags, "--mixed_precision", "bf16", "--with_tracking", "--report_to", "all")
     records = read_metrics(bf16)
     assert {r["mixed_precision"] for r in records} == {"bf16"}
     assert read_metrics(plain)[-1]["mixed_precision"] == "no"
     assert any(not torch.equal(a, b) for a, b in zip(weights(plain).values(), weights(bf16).values()))
     assert records[-1]["eval_accuracy"] > 0.5
+
+    assert not (plain / "tensorboard").exists() and not (plain / "mlflow.db").exists(), "tracking only when asked"
+    events = EventAccumulator(str(next((bf16 / "tensorboard").iterdir()))).Reload()
+    accuracy = events.Scalars("eval_accuracy")
+    assert [e.step for e in accuracy] == [r["epoch"] for r in records]
+    assert [e.value for e in accuracy] == pytest.approx([r["eval_accuracy"] for r in records])
+    with sqlite3.connect(bf16 / "mlflow.db") as db:  # the store `mlflow ui` opens
+        logged = db.execute("select step, value from metrics where key = 'train_loss' order by step").fetchall()
+        params = dict(db.execute("select key, value from params").fetchall())
+    assert logged == pytest.approx([(r["epoch"], r["train_loss"]) for r in records])
+    assert params["output_dir"] == str(bf16) and params["with_tracking"] == "True" and params["mixed_precision"] == "bf16"
 
 
 @pytest.mark.parametrize("script, batch", [("seq_net.py", 50), ("cpu_gloo.py", 25)])
@@ -202,24 +234,7 @@ def test_accumulation_steps_and_schedule_under_two_processes(data_dir, tmp_path)
     assert records[-1]["train_loss"] < records[0]["train_loss"]
 
 
-# -- tracking and plots -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
-def test_tracking_writes_tensorboard_and_mlflow_stores(script, data_dir, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run_dir, _ = train(script, tmp_path, "run", "--data_dir", data_dir, *FEATURE_RUNS[script][0], "--with_tracking", "--report_to", "all")
-    records = read_metrics(run_dir)
-    events = EventAccumulator(str(next((run_dir / "tensorboard").iterdir()))).Reload()
-    accuracy = events.Scalars("eval_accuracy")
-    assert [e.step for e in accuracy] == [r["epoch"] for r in records]
-    assert [e.value for e in accuracy] == pytest.approx([r["eval_accuracy"] for r in records])
-    with sqlite3.connect(run_dir / "mlflow.db") as db:  # the store `mlflow ui` opens
-        logged = db.execute("select step, value from metrics where key = 'train_loss' order by step").fetchall()
-        params = dict(db.execute("select key, value from params").fetchall())
-    assert logged == pytest.approx([(r["epoch"], r["train_loss"]) for r in records])
-    assert params["output_dir"] == str(run_dir) and params["with_tracking"] == "True"
-
+# -- plots -------------------------------------------------------------------------------------------
 
 def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
     from PIL import Image

@@ -61,13 +61,12 @@ def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4, pipeline
 
 
 @pytest.mark.parametrize("pipeline", ["torchvision", "memory"])
-@pytest.mark.parametrize("override", [None, 3])
-def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, override, pipeline):
-    """Both data pipelines: over one epoch each sample is drawn exactly once across the ranks, the
-    order changes between epochs, and every rank agrees on it."""
-    flags = ["--config_file", CONFIGS / "cpu.yaml"] + (["--num_processes", str(override)] if override else [])
-    reports = launch_probe(tmp_path, *flags, pipeline=pipeline)
-    world_size = override or 4
+def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, pipeline):
+    """The profile as it is (4 processes), both data pipelines: over one epoch each sample is drawn
+    exactly once across the ranks, the order changes between epochs, and every rank agrees on it.
+    (--num_processes overriding the profile: the ragged-end test below, and most launches in tests.)"""
+    reports = launch_probe(tmp_path, "--config_file", CONFIGS / "cpu.yaml", pipeline=pipeline)
+    world_size = 4
     assert [r["rank"] for r in reports] == list(range(world_size))
     for report in reports:
         assert report["world_size"] == report["group_size"] == world_size
@@ -85,10 +84,13 @@ def test_both_pipelines_shard_identically_with_a_ragged_end(tmp_path):
     """100 samples over 3 processes in batches of 8: the in-memory loader tops up the last batches
     from the start of the epoch's order exactly as accelerate's prepared DataLoader does."""
     flags = ["--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3"]
-    by_pipeline = {
-        pipeline: [r["epochs"] for r in launch_probe(tmp_path, *flags, num_samples=100, batch_size=8, pipeline=pipeline)]
+    reports = {
+        pipeline: launch_probe(tmp_path, *flags, num_samples=100, batch_size=8, pipeline=pipeline)
         for pipeline in ("torchvision", "memory")
     }
+    for pipeline_reports in reports.values():  # --num_processes 3 overrides the profile's 4
+        assert [(r["rank"], r["group_size"]) for r in pipeline_reports] == [(0, 3), (1, 3), (2, 3)]
+    by_pipeline = {pipeline: [r["epochs"] for r in pipeline_reports] for pipeline, pipeline_reports in reports.items()}
     assert by_pipeline["memory"] == by_pipeline["torchvision"]
     drawn = sorted(sum((sum(epochs["1"], []) for epochs in by_pipeline["memory"]), []))
     assert len(drawn) == 3 * 5 * 8 and set(drawn) == set(range(100))  # 20 samples drawn twice

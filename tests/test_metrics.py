@@ -12,6 +12,9 @@ from torchvision import datasets, transforms
 from conftest import launch_command, python_command, read_metrics, run
 from test_scripts import SCRIPTS, load_script_module
 
+# One test process builds the module's fixture once and runs all of these (pytest.ini).
+pytestmark = pytest.mark.xdist_group("metrics")
+
 
 def single_process_evaluation(weights, data_dir):
     """Plain PyTorch, no Accelerate: the reference numbers for these weights."""

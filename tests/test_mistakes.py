@@ -11,6 +11,9 @@ import pytest
 from conftest import CONFIGS, SCRIPTS, python_command, run
 from datagen import write_small_mnist
 
+# One test process builds the module's fixture once and runs all of these (pytest.ini).
+pytestmark = pytest.mark.xdist_group("mistakes")
+
 LAUNCH = SCRIPTS / "launch.py"
 
 

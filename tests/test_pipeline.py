@@ -7,7 +7,7 @@ from test_features import assert_same_records, assert_same_weights, train, weigh
 
 
 @pytest.mark.parametrize("script, num_processes", [
-    ("seq_net.py", None), ("mnist_conv.py", None), ("cpu_gloo.py", None), ("cpu_gloo.py", 3), ("mnist_conv.py", 2),
+    ("seq_net.py", None), ("mnist_conv.py", None), ("cpu_gloo.py", None), ("cpu_gloo.py", 3),
 ])
 def test_memory_and_torchvision_pipelines_train_identically(script, num_processes, data_dir, tmp_path):
     flags = ["--data_dir", data_dir, "--num_epochs", "2", "--batch_size", "48"]  # 2000 / 48 or / 144: ragged ends
