@@ -49,7 +49,7 @@ def script_rate(setting, batch_size, data_dir, num_epochs, output_dir):
     command = [sys.executable, str(REPO / "scripts" / "mnist_conv.py"), "--data_dir", str(data_dir),
                "--output_dir", str(output_dir), "--num_epochs", str(num_epochs), "--batch_size", str(batch_size),
                "--mixed_precision", setting.mixed_precision] + (["--channels_last"] if setting.channels_last else [])
-    env = {**os.environ, "TQDM_DISABLE": "1", "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}
+    env = {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}
     finished = subprocess.run(command, env=env, capture_output=True, text=True)
     if finished.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{finished.stderr[-3000:]}")
