@@ -174,7 +174,6 @@ def test_channels_last_trains_and_saves_weights_that_load_into_the_plain_net(dat
     assert f"eval_accuracy {read_metrics(run_dir)[-1]['eval_accuracy']:.4f}" in result.stdout
 
 
-
 @pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
 def test_bf16_on_cpu_changes_the_arithmetic_learns_and_is_tracked(script, data_dir, tmp_path):
     """A bf16 run differs from the fp32 one and still learns; with --with_tracking --report_to all,
