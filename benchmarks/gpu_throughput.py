@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
 from baselines import GpuSetting  # noqa: E402
-from throughput import write_data  # noqa: E402
+from throughput import run_script, write_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LR = 1.0  # mnist_conv's default (Adadelta); the rate does not depend on it
@@ -49,11 +48,7 @@ def script_rate(setting, batch_size, data_dir, num_epochs, output_dir):
     command = [sys.executable, str(REPO / "scripts" / "mnist_conv.py"), "--data_dir", str(data_dir),
                "--output_dir", str(output_dir), "--num_epochs", str(num_epochs), "--batch_size", str(batch_size),
                "--mixed_precision", setting.mixed_precision] + (["--channels_last"] if setting.channels_last else [])
-    env = {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}
-    finished = subprocess.run(command, env=env, capture_output=True, text=True)
-    if finished.returncode:
-        sys.exit(f"{' '.join(command)} failed:\n{finished.stderr[-3000:]}")
-    records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = run_script(command, {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}, output_dir)
     return max(r["samples_per_sec"] for r in records[1:])
 
 

@@ -60,13 +60,17 @@ def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir):
     launcher = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
                 str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
     command = ([sys.executable] if processes == 1 else launcher) + args
-    env = {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes))}
+    records = run_script(command, {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes))}, output_dir)
+    assert records[-1]["world_size"] == processes
+    return max(r["samples_per_sec"] for r in records[1:])
+
+
+def run_script(command, env, output_dir):
+    """Run a script's command line; the records of its metrics.jsonl. Stops the benchmark if it failed."""
     finished = subprocess.run(command, env=env, capture_output=True, text=True)  # progress bars included, unshown
     if finished.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{finished.stderr[-3000:]}")
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["world_size"] == processes
-    return max(r["samples_per_sec"] for r in records[1:])
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False):

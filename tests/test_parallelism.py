@@ -6,15 +6,13 @@ import json
 
 import pytest
 
-from conftest import launch_command, python_command, read_metrics, run
-from test_features import assert_same_weights, weights
+from conftest import read_metrics, run
+from test_features import assert_same_weights, script_command, weights
 
 
 def train(script, tmp_path, name, num_processes, *args):
     output_dir = tmp_path / name
-    argv = ["--output_dir", output_dir, *args]
-    command = python_command(script, *argv) if num_processes == 1 else launch_command(script, *argv, num_processes=num_processes)
-    run(command, cwd=tmp_path)
+    run(script_command(script, "--output_dir", output_dir, *args, num_processes=None if num_processes == 1 else num_processes), cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(output_dir)} == {num_processes}
     return output_dir
 
