@@ -138,6 +138,7 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
     else:
         accelerator = Accelerator(mixed_precision=gpu_setting.mixed_precision,
                                   dynamo_backend="inductor" if gpu_setting.compile else "no")
+    assert accelerator.num_processes == world_size, "every spawned process joined one group"
     train_set, stats = load_train_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, accelerator.device)
     steps = len(labels) // (batch_size * world_size)

@@ -44,6 +44,7 @@ def measure(rank, world_size, blocks, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    assert accelerator.num_processes == world_size, "every spawned process joined one group"
     inputs = torch.randn(BATCH_SIZE * world_size * steps, 1, 28, 28)
     labels = torch.randint(0, 10, (len(inputs),))
     loader = InMemoryLoader(inputs, labels, BATCH_SIZE, accelerator, seed=0)
