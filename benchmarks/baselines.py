@@ -174,7 +174,9 @@ def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, 
     return epoch_rates(run_epoch, num_epochs, steps * batch_size)
 
 
-def _worker(rank, world_size, port, threads, baseline, args, results):
+def _worker(rank, world_size, port, threads, own_session, baseline, args, results):
+    if own_session:
+        os.setsid()
     # One process runs without a process group, as `python scripts/x.py` does (Accelerate then does
     # not wrap the model in DDP); only the tutorial's recipe wraps even one process in DDP.
     distributed = world_size > 1 or baseline is tutorial_recipe
@@ -211,11 +213,16 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def spawn(baseline, world_size, threads, *args):
+def spawn(baseline, world_size, threads, *args, own_sessions=False):
     """Run `baseline` as world_size processes of `threads` threads each (None: torch's default);
-    rank 0's samples per second of every epoch."""
+    rank 0's samples per second of every epoch (whatever rank 0's `baseline` returns).
+
+    own_sessions: every process in a session of its own, as torchrun (and so `accelerate launch`)
+    starts the scripts' processes; the default shares this one, as torch.multiprocessing does. Where
+    Linux schedules each session as a group (autogroup), that alone changes an oversubscribed run's
+    speed by about 10%: benchmarks/launch_layout.py."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, free_port(), threads, baseline, args, results),
+    mp.start_processes(_worker, args=(world_size, free_port(), threads, own_sessions, baseline, args, results),
                        nprocs=world_size, start_method="spawn")
     return results.get()

@@ -14,7 +14,10 @@ times in rotating rounds; a figure is the median over rounds, and a ratio the me
 within rounds (a shared machine drifts; ratios within a round cancel most of it). Each process gets
 cores / processes threads (at least 1), except "tutorial recipe", which runs as the tutorials do:
 at torch's default, one thread per core in every process. "tutorial recipe, matched threads" is
-the same recipe given the scripts' threads, a stricter comparison.
+the same recipe given the scripts' threads, a stricter comparison. The tutorial recipe starts its
+processes as the tutorials do (torch.multiprocessing, one session); raw DDP and the step ceiling
+start theirs as `accelerate launch` starts the scripts' (torchrun: a session each), because on this
+machine the process layout alone moves a 4-process run by about 10% (benchmarks/launch_layout.py).
 """
 
 import argparse
@@ -49,17 +52,21 @@ def write_data(root, num_train):
                            rng.integers(0, 256, (500, 28, 28)), rng.integers(0, 10, 500))
 
 
-def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir):
-    """Run the script as a user would and read samples_per_sec back from its metrics.jsonl."""
-    batch, lr, _ = SETTINGS[script]
-    output_dir = Path(workdir) / f"{Path(script).stem}_{pipeline}_{processes}"
+def script_args(script, data_dir, pipeline, num_epochs, output_dir):
+    """The script's path and arguments, as the benchmark runs it."""
     args = [str(REPO / "scripts" / script), "--data_dir", str(data_dir), "--output_dir", str(output_dir),
             "--overwrite_output_dir", "--num_epochs", str(num_epochs), "--data_pipeline", pipeline]
     if script == "cpu_gloo.py":
         args += ["--log_interval", "1000000"]
+    return args
+
+
+def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir):
+    """Run the script as a user would and read samples_per_sec back from its metrics.jsonl."""
+    output_dir = Path(workdir) / f"{Path(script).stem}_{pipeline}_{processes}"
     launcher = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
                 str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
-    command = ([sys.executable] if processes == 1 else launcher) + args
+    command = ([sys.executable] if processes == 1 else launcher) + script_args(script, data_dir, pipeline, num_epochs, output_dir)
     records = run_script(command, {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes))}, output_dir)
     assert records[-1]["world_size"] == processes
     return max(r["samples_per_sec"] for r in records[1:])
@@ -70,13 +77,20 @@ def run_script(command, env, output_dir):
     finished = subprocess.run(command, env=env, capture_output=True, text=True)  # progress bars included, unshown
     if finished.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{finished.stderr[-3000:]}")
+    return read_metrics(output_dir)
+
+
+def read_metrics(output_dir):
+    """The records of a run's metrics.jsonl, one per epoch."""
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False):
+def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False, as_torchrun=False):
+    """as_torchrun: every process in its own session, as `accelerate launch` starts the scripts' processes."""
     batch, lr, _ = SETTINGS[script]
     threads = None if default_threads else baselines.threads_for(processes)
-    rates = baselines.spawn(baseline, processes, threads, script, str(data_dir), batch, num_epochs, lr)
+    rates = baselines.spawn(baseline, processes, threads, script, str(data_dir), batch, num_epochs, lr,
+                            own_sessions=as_torchrun and processes > 1)
     return max(rates[1:])
 
 
@@ -93,8 +107,9 @@ def variants(script, processes, data_dir, num_epochs, workdir):
         "torchvision_pipeline": pipeline("torchvision"),
         "tutorial_recipe": baseline(baselines.tutorial_recipe, default_threads=True),
         "tutorial_recipe_matched_threads": baseline(baselines.tutorial_recipe),
-        "raw_ddp_memory": baseline(baselines.raw_ddp_memory),
-        "step_ceiling": baseline(baselines.accelerate_ceiling),
+        # What the scripts are measured against in their own ratios starts as the scripts' processes do.
+        "raw_ddp_memory": baseline(baselines.raw_ddp_memory, as_torchrun=True),
+        "step_ceiling": baseline(baselines.accelerate_ceiling, as_torchrun=True),
         "compute_ceiling_1proc": lambda: baseline_rate(baselines.compute_ceiling, script, 1, data_dir, num_epochs),
     }
 

@@ -42,3 +42,15 @@ def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
     assert row["script"] > 0 and row["ceiling"] > 0
     assert "| large bf16 channels_last | 128 | bf16 | yes | no |" in result.stdout
     assert "no GPU" in result.stdout and "Targets" not in result.stdout
+
+
+def test_launch_layout_benchmark_runs_every_variant(tmp_path):
+    result = run([sys.executable, BENCHMARKS / "launch_layout.py", "--processes", "2", "--rounds", "1", "--num_epochs", "2",
+                  "--train_samples", "640", "--output", tmp_path / "layout.json"], cwd=REPO)
+    sys.path.insert(0, str(BENCHMARKS))
+    from launch_layout import VARIANTS
+
+    (row,) = json.loads((tmp_path / "layout.json").read_text())
+    assert row["processes"] == 2 and all(row["rounds"][0][name] > 0 for name in VARIANTS), row
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py | 2 |")]
+    assert len(rows) == 2, result.stdout  # one row of figures, one of ratios
