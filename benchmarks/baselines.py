@@ -219,8 +219,8 @@ def spawn(baseline, world_size, threads, *args, own_sessions=False):
 
     own_sessions: every process in a session of its own, as torchrun (and so `accelerate launch`)
     starts the scripts' processes; the default shares this one, as torch.multiprocessing does. Where
-    Linux schedules each session as a group (autogroup), that alone changes an oversubscribed run's
-    speed by about 10%: benchmarks/launch_layout.py."""
+    Linux schedules each session as a group (autogroup), that alone changes a run's speed on a small
+    machine: benchmarks/launch_layout.py."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     mp.start_processes(_worker, args=(world_size, free_port(), threads, own_sessions, baseline, args, results),

@@ -17,7 +17,8 @@ at torch's default, one thread per core in every process. "tutorial recipe, matc
 the same recipe given the scripts' threads, a stricter comparison. The tutorial recipe starts its
 processes as the tutorials do (torch.multiprocessing, one session); raw DDP and the step ceiling
 start theirs as `accelerate launch` starts the scripts' (torchrun: a session each), because on this
-machine the process layout alone moves a 4-process run by about 10% (benchmarks/launch_layout.py).
+machine the process layout alone moves a run's speed (benchmarks/launch_layout.py: 6-8% at 4
+processes on 2 cores).
 """
 
 import argparse
