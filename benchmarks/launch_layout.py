@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import runpy
-import statistics
 import sys
 import tempfile
 import time
@@ -72,19 +71,13 @@ def variants(script, processes, data_dir, num_epochs, workdir):
     return dict(zip(VARIANTS, functions))
 
 
-def ratio(rounds, numerator, denominator):
-    values = sorted(r[numerator] / r[denominator] for r in rounds)
-    return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
-
-
 def tables(rows):
     lines = ["| script | processes | " + " | ".join(VARIANTS) + " |", "|---" * (2 + len(VARIANTS)) + "|"]
-    for row in rows:
-        cells = [f"{statistics.median(r[name] for r in row['rounds']):,.0f}" for name in VARIANTS]
-        lines.append(f"| {row['script']} | {row['processes']} | " + " | ".join(cells) + " |")
+    for row in map(throughput.medians, rows):
+        lines.append(f"| {row['script']} | {row['processes']} | " + " | ".join(f"{row[name]:,.0f}" for name in VARIANTS) + " |")
     lines += ["", "| script | processes | " + " | ".join(RATIOS) + " |", "|---" * (2 + len(RATIOS)) + "|"]
     for row in rows:
-        cells = [ratio(row["rounds"], *pair) for pair in RATIOS.values()]
+        cells = ["{:.2f} ({:.2f}-{:.2f})".format(*throughput.ratio(row, *pair)) for pair in RATIOS.values()]
         lines.append(f"| {row['script']} | {row['processes']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
