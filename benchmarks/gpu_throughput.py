@@ -33,7 +33,6 @@ from baselines import GpuSetting  # noqa: E402
 import throughput  # noqa: E402
 from throughput import run_script, write_data  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 LR = throughput.SETTINGS["mnist_conv.py"][1]  # the script's default; the rate does not depend on it
 SETTINGS = {  # name -> (large batch?, setting)
     "fp32": (False, GpuSetting()),
@@ -46,9 +45,9 @@ SETTINGS = {  # name -> (large batch?, setting)
 
 
 def script_rate(setting, batch_size, data_dir, num_epochs, output_dir):
-    command = [sys.executable, str(REPO / "scripts" / "mnist_conv.py"), "--data_dir", str(data_dir),
-               "--output_dir", str(output_dir), "--num_epochs", str(num_epochs), "--batch_size", str(batch_size),
-               "--mixed_precision", setting.mixed_precision] + (["--channels_last"] if setting.channels_last else [])
+    command = ([sys.executable] + throughput.script_args("mnist_conv.py", data_dir, "memory", num_epochs, output_dir)
+               + ["--batch_size", str(batch_size), "--mixed_precision", setting.mixed_precision]
+               + (["--channels_last"] if setting.channels_last else []))
     records = run_script(command, {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}, output_dir)
     return max(r["samples_per_sec"] for r in records[1:])
 
