@@ -30,6 +30,7 @@ def test_step_overhead_benchmark_times_every_loop():
     result = run([sys.executable, BENCHMARKS / "step_overhead.py", "--processes", "1", "2", "--blocks", "1", "--steps", "5"], cwd=REPO)
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 8, result.stdout  # four loops at each of the two process counts
+    assert all(row.count("|") == 7 for row in rows), result.stdout  # wall clock and CPU time columns
 
 
 def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
