@@ -11,8 +11,8 @@ process, DDP on several. It shows what Accelerate's wrappers cost as shipped, an
 per-step look-ups that shared/runtime.py answers once.
 
 Beside wall-clock time it reports rank 0's CPU time per step (all its threads, gloo's included):
-the work a loop costs, which other tenants of a shared machine and the scheduler's timing of
-all-reduce wake-ups move far less than they move the wall clock.
+the work a loop costs without the time it waits for the other ranks. With one process and 2
+threads it exceeds the wall clock (torch's second thread also counts while it waits for work).
 """
 
 import argparse
