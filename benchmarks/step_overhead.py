@@ -12,7 +12,7 @@ per-step look-ups that shared/runtime.py answers once.
 
 Beside wall-clock time it reports rank 0's CPU time per step (all its threads, gloo's included):
 the work a loop costs without the time it waits for the other ranks. With one process and 2
-threads it exceeds the wall clock (torch's second thread also counts while it waits for work).
+threads it exceeds the wall clock: torch's second thread spins while it waits for work.
 """
 
 import argparse
