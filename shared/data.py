@@ -1,6 +1,5 @@
 """MNIST-family data: downloaded once per machine, read from torchvision's folder layout."""
 
-import contextlib
 import math
 import struct
 from pathlib import Path
@@ -9,6 +8,7 @@ import numpy as np
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets, transforms
 
@@ -26,12 +26,25 @@ DATASETS = {"MNIST": datasets.MNIST, "FashionMNIST": datasets.FashionMNIST}
 PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 
 
-@contextlib.contextmanager
-def download_order(accelerator):
-    """The main process downloads first, then the first process of every other machine (a no-op
-    on a shared disk), then everyone else reads the files that are now there."""
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        yield
+def load_in_download_order(accelerator, load):
+    """load() on the main process first, which downloads; then on the first process of every other
+    machine (it finds the files on a shared disk, or downloads its own copy); then on every other
+    process, which reads the files now there. When a process that goes first fails with a
+    UserError (offline, a truncated file), every process stops with its sentence rather than
+    waiting for files that will not come."""
+    loaded = None
+    for goes_now in (accelerator.is_main_process, accelerator.is_local_main_process):
+        error = None
+        if goes_now and loaded is None:
+            try:
+                loaded = load()
+            except UserError as mistake:
+                error = str(mistake)
+        # A collective: the others wait here for those going now, and all learn of a failure.
+        failures = [message for message in gather_object([error]) if message]
+        if failures:
+            raise UserError(failures[0])
+    return loaded if loaded is not None else load()
 
 
 def mnist_loaders(args, name, accelerator, normalize=True):
@@ -48,11 +61,12 @@ def mnist_loaders(args, name, accelerator, normalize=True):
     if stats:
         steps.append(transforms.Normalize((stats[0],), (stats[1],)))
     transform = transforms.Compose(steps)
-    with download_order(accelerator):
-        if args.dataset_source == "hub":
-            train_set, test_set = _from_hub(args.dataset_name, args.data_dir, transform)
-        else:
-            train_set, test_set = (_open(name, args.data_dir, train, transform) for train in (True, False))
+    if args.dataset_source == "hub":
+        train_set, test_set = load_in_download_order(accelerator, lambda: _from_hub(args.dataset_name, args.data_dir, transform))
+    else:
+        train_set, test_set = load_in_download_order(
+            accelerator, lambda: tuple(_open(name, args.data_dir, train, transform) for train in (True, False))
+        )
     check_world_size(len(train_set), accelerator, f"the {name} training set")
     if args.data_pipeline == "torchvision":
         return (

@@ -75,4 +75,8 @@ def run_main(main):
             time.sleep(3)
         prefix = f"[rank {rank}] " if rank else ""
         print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            # Exiting with the group still up sometimes aborts in its C++ teardown (signal 6), which
+            # the launcher would report as a second error.
+            torch.distributed.destroy_process_group()
         sys.exit(1)

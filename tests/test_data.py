@@ -1,11 +1,16 @@
-"""The real torchvision loading code on files laid out as torchvision expects, and its failures."""
+"""The real torchvision loading code on files laid out as torchvision expects, its failures, and the
+order in which processes download."""
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import python_command, read_metrics, run
+from conftest import CONFIGS, python_command, read_metrics, run
 from datagen import write_small_mnist
+
+PROBES = Path(__file__).resolve().parent / "probes"
 
 
 def test_files_in_torchvision_layout_are_used_without_network(tmp_path):
@@ -32,3 +37,14 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
     result = run(python_command("mnist_conv.py", "--data_dir", tmp_path / "data", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"The MNIST files in {raw} could not be read" in result.stderr
+
+
+def test_data_is_downloaded_once_by_the_main_process_before_the_others_read_it(tmp_path):
+    """cpu.yaml as is (4 processes) through shared.data's download order: only rank 0 downloads, and
+    every other rank starts reading after its download ended."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", PROBES / "download_probe.py", tmp_path], cwd=tmp_path)
+    records = sorted((json.loads(path.read_text()) for path in tmp_path.glob("rank*.json")), key=lambda record: record["rank"])
+    assert [(record["rank"], record["world_size"]) for record in records] == [(rank, 4) for rank in range(4)]
+    assert [record["downloaded"] for record in records] == [True, False, False, False]
+    assert all(record["read"] == "the data" for record in records)
+    assert all(record["started"] >= records[0]["ended"] for record in records[1:])

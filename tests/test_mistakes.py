@@ -83,6 +83,14 @@ MISTAKES = {
                                                "could not be downloaded"),
     "truncated data file": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
                             "could not be read"),
+    # With several processes only the main process reads first; the others must stop with it, not crash.
+    "data folder without the files, offline, cpu.yaml as is (4 processes)": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
+        "could not be downloaded"),
+    "truncated data file, 2 processes": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py",
+                         "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
+        "could not be read"),
     "Hub data set offline": (lambda p: cpu_gloo(p, "--dataset_source", "hub"), "ylecun/mnist could not be loaded from the Hugging Face Hub"),
     "checkpoint path that does not exist": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "earlier" / "checkpoints" / "step_99"),
                                             "step_99 does not exist: pass a folder under <output_dir>/checkpoints/, or 'latest'"),
