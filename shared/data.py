@@ -61,12 +61,13 @@ def mnist_loaders(args, name, accelerator, normalize=True):
     if stats:
         steps.append(transforms.Normalize((stats[0],), (stats[1],)))
     transform = transforms.Compose(steps)
-    if args.dataset_source == "hub":
-        train_set, test_set = load_in_download_order(accelerator, lambda: _from_hub(args.dataset_name, args.data_dir, transform))
-    else:
-        train_set, test_set = load_in_download_order(
-            accelerator, lambda: tuple(_open(name, args.data_dir, train, transform) for train in (True, False))
-        )
+
+    def load():
+        if args.dataset_source == "hub":
+            return _from_hub(args.dataset_name, args.data_dir, transform)
+        return tuple(_open(name, args.data_dir, train, transform) for train in (True, False))
+
+    train_set, test_set = load_in_download_order(accelerator, load)
     check_world_size(len(train_set), accelerator, f"the {name} training set")
     if args.data_pipeline == "torchvision":
         return (
