@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, python_command, read_metrics, run
+from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run
 from datagen import write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -39,12 +39,28 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
     assert f"The MNIST files in {raw} could not be read" in result.stderr
 
 
+def probe_records(folder):
+    return sorted((json.loads(path.read_text()) for path in folder.glob("rank*.json")), key=lambda record: record["rank"])
+
+
 def test_data_is_downloaded_once_by_the_main_process_before_the_others_read_it(tmp_path):
     """cpu.yaml as is (4 processes) through shared.data's download order: only rank 0 downloads, and
     every other rank starts reading after its download ended."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", PROBES / "download_probe.py", tmp_path], cwd=tmp_path)
-    records = sorted((json.loads(path.read_text()) for path in tmp_path.glob("rank*.json")), key=lambda record: record["rank"])
+    records = probe_records(tmp_path)
     assert [(record["rank"], record["world_size"]) for record in records] == [(rank, 4) for rank in range(4)]
     assert [record["downloaded"] for record in records] == [True, False, False, False]
     assert all(record["read"] == "the data" for record in records)
     assert all(record["started"] >= records[0]["ended"] for record in records[1:])
+
+
+def test_a_failed_download_stops_every_rank_with_its_sentence(tmp_path):
+    """Offline under cpu.yaml as is: all 4 ranks stop with rank 0's sentence, none crashes waiting for
+    it, and scripts/launch.py shows that sentence once."""
+    result = run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", PROBES / "download_probe.py", tmp_path, "--offline"],
+                 cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    records = probe_records(tmp_path)
+    assert [(record["rank"], record["world_size"]) for record in records] == [(rank, 4) for rank in range(4)]
+    assert all(record["error"] == f"{tmp_path / 'data.txt'} could not be downloaded: connect to the internet." for record in records)
+    assert [line for line in result.stderr.splitlines() if "error: " in line] == [f"error: {records[0]['error']}"]
