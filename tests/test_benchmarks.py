@@ -55,3 +55,15 @@ def test_launch_layout_benchmark_runs_every_variant(tmp_path):
     assert row["processes"] == 2 and all(row["rounds"][0][name] > 0 for name in VARIANTS), row
     rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py | 2 |")]
     assert len(rows) == 2, result.stdout  # one row of figures, one of ratios
+
+
+def test_accelerate_ladder_benchmark_runs_every_rung(tmp_path):
+    result = run([sys.executable, BENCHMARKS / "accelerate_ladder.py", "--rounds", "1", "--num_epochs", "2",
+                  "--train_samples", "640", "--output", tmp_path / "ladder.json"], cwd=REPO)
+    sys.path.insert(0, str(BENCHMARKS))
+    from accelerate_ladder import RUNGS
+
+    row = json.loads((tmp_path / "ladder.json").read_text())
+    assert row["processes"] == 2 and all(row["rounds"][0][name] > 0 for name in RUNGS), row
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1. ", "| 6. "))]
+    assert len(rows) == 2 and all(row.count("|") == 5 for row in rows), result.stdout
