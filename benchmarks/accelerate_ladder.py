@@ -14,8 +14,9 @@ The rungs, each adding one thing to the one before, on the same in-memory data (
 6. accelerate launch: the same script started by the launcher, as a user runs it.
 Rungs 1-5 run in spawned processes, each in a session of its own as torchrun starts them
 (benchmarks/launch_layout.py); the rounds rotate their order. A figure is a run's fastest epoch of
-2..N in global training samples/s, then the median over rounds; a ratio is the median of the ratios
-within a round, with the middle half of rounds in brackets.
+2..N in global training samples/s (rungs 1-4 time each epoch between barriers, rungs 5-6 report the
+script's own samples_per_sec from metrics.jsonl), then the median over rounds; a ratio is the median
+of the ratios within a round, with the middle half of rounds in brackets.
 """
 
 import argparse
