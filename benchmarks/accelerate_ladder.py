@@ -75,12 +75,7 @@ def layered_ddp(rank, world_size, script, data_dir, batch_size, num_epochs, lr, 
             return
         epoch_stats = metrics.EpochStats(accelerator)
         for batch_inputs, batch_labels in loader:
-            with accelerator.accumulate(model):
-                loss = loss_fn(model(batch_inputs), batch_labels)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            epoch_stats.add(loss, len(batch_labels))
+            baselines.scripts_step(accelerator, model, optimizer, loss_fn, batch_inputs, batch_labels, epoch_stats)
 
     return baselines.epoch_rates(run_epoch, num_epochs, len(loader) * batch_size * world_size)
 

@@ -83,6 +83,17 @@ def step(model, optimizer, loss_fn, inputs, labels):
     optimizer.step()
 
 
+def scripts_step(accelerator, model, optimizer, loss_fn, inputs, labels, epoch_stats):
+    """One training step as the scripts take it: the Accelerate-prepared model and optimizer inside
+    accelerator.accumulate, and the epoch's loss sum (shared.metrics.EpochStats)."""
+    with accelerator.accumulate(model):
+        loss = loss_fn(model(inputs), labels)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    epoch_stats.add(loss, len(labels))
+
+
 def tutorial_recipe(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
     train_set, _ = load_train_set(script, data_dir)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank)

@@ -74,12 +74,7 @@ def measure(rank, world_size, blocks, steps):
     def scripts_loop():
         stats = metrics.EpochStats(accelerator)
         for x, y in loader:
-            with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(x), y)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            stats.add(loss, len(y))
+            baselines.scripts_step(accelerator, model, optimizer, F.cross_entropy, x, y, stats)
 
     runs = {LOOPS[0]: (plain, TRIMMED), LOOPS[1]: (prepared, SHIPPED), LOOPS[2]: (prepared, TRIMMED), LOOPS[3]: (scripts_loop, TRIMMED)}
     results = []
