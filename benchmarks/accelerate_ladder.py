@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
@@ -44,35 +43,29 @@ RUNGS = ("raw DDP", "+ the scripts' imports", "+ Accelerate's process group", "+
 
 
 def layered_ddp(rank, world_size, script, data_dir, batch_size, num_epochs, lr, rung):
-    """Rungs 2-4 in one spawned process: raw DDP with the first `rung` layers of Accelerate added."""
+    """Rungs 2-4 in one spawned process: raw DDP with the first `rung` layers of Accelerate added
+    (rungs 2 and 3 run benchmarks/baselines.py's raw DDP itself, on the group they started)."""
     import accelerate
     import datasets  # noqa: F401
     import tqdm  # noqa: F401
     from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: F401  (runtime: the cached answers)
 
-    accelerator = None
     if rung >= RUNGS.index("+ Accelerate's process group"):
         accelerator = accelerate.Accelerator(cpu=True)  # joins the group that spawn's environment describes
         assert accelerator.num_processes == world_size, "every spawned process joined one group"
     else:
         dist.init_process_group("gloo")
+    if rung < RUNGS.index("+ prepare and the scripts' step"):
+        return baselines.raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr)  # on that group
     train_set, stats = baselines.load_train_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
-    loader = InMemoryLoader(inputs, labels, batch_size, accelerator or baselines.Ranks(rank, world_size), seed=0)
+    loader = InMemoryLoader(inputs, labels, batch_size, accelerator, seed=0)
     model = baselines.make_model(script)
     optimizer, loss_fn = baselines.RECIPES[script][3](model.parameters(), lr=lr), baselines.RECIPES[script][4]
-    prepared = rung >= RUNGS.index("+ prepare and the scripts' step")
-    if prepared:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model = DDP(model)
+    model, optimizer = accelerator.prepare(model, optimizer)
 
     def run_epoch(epoch):
         loader.set_epoch(epoch)
-        if not prepared:
-            for batch_inputs, batch_labels in loader:
-                baselines.step(model, optimizer, loss_fn, batch_inputs, batch_labels)
-            return
         epoch_stats = metrics.EpochStats(accelerator)
         for batch_inputs, batch_labels in loader:
             baselines.scripts_step(accelerator, model, optimizer, loss_fn, batch_inputs, batch_labels, epoch_stats)
@@ -89,7 +82,7 @@ def rungs(script, processes, data_dir, num_epochs, workdir):
     def spawned(function, *args):
         return lambda: max(baselines.spawn(function, processes, threads, *args, own_sessions=True)[1:])
 
-    layered = [spawned(layered_ddp, script, str(data_dir), batch, num_epochs, lr, rung) for rung in (1, 2, 3)]
+    layered = [spawned(layered_ddp, script, str(data_dir), batch, num_epochs, lr, rung) for rung in range(1, 4)]
     functions = [lambda: throughput.baseline_rate(baselines.raw_ddp_memory, script, processes, data_dir, num_epochs, as_torchrun=True),
                  *layered, spawned(launch_layout.script_main, argv),
                  lambda: throughput.script_rate(script, processes, data_dir, "memory", num_epochs, workdir)]
