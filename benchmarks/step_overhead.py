@@ -7,8 +7,9 @@ a plain PyTorch loop up to the scripts' own loop, for 1 and 2 processes:
 The loops take turns inside the same processes, in blocks of --steps steps, so that a shared
 machine's drift falls on all of them alike; each figure is the median over blocks, and the ratio is
 the median of plain / loop within a block. "plain" is the plain PyTorch way: the bare model on one
-process, DDP on several. It shows what Accelerate's wrappers cost as shipped, and with the two
-per-step look-ups that shared/runtime.py answers once.
+process, DDP on several. It shows what Accelerate's wrappers cost as shipped, with the two per-step
+look-ups that shared/runtime.py answers once, then what each further call of the scripts' loop adds:
+accelerator.accumulate around the step, and the epoch's loss sum (the scripts' loop itself).
 
 Beside wall-clock time it reports rank 0's CPU time per step (all its threads, gloo's included):
 the work a loop costs without the time it waits for the other ranks. With one process and 2
@@ -34,7 +35,7 @@ from shared.data import InMemoryLoader  # noqa: E402
 
 TRIMMED = {name: getattr(accelerate.optimizer, name) for name in SHIPPED}
 BATCH_SIZE = 64
-LOOPS = ("plain PyTorch", "Accelerate as shipped", "Accelerate + shared/runtime.py", "the scripts' loop")
+LOOPS = ("plain PyTorch", "Accelerate as shipped", "Accelerate + shared/runtime.py", "+ accelerator.accumulate", "the scripts' loop")
 
 
 def use(answers):
@@ -71,12 +72,19 @@ def measure(rank, world_size, blocks, steps):
             accelerator.backward(F.cross_entropy(model(x), y))
             optimizer.step()
 
+    def accumulated():
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(F.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+
     def scripts_loop():
         stats = metrics.EpochStats(accelerator)
         for x, y in loader:
             baselines.scripts_step(accelerator, model, optimizer, F.cross_entropy, x, y, stats)
 
-    runs = {LOOPS[0]: (plain, TRIMMED), LOOPS[1]: (prepared, SHIPPED), LOOPS[2]: (prepared, TRIMMED), LOOPS[3]: (scripts_loop, TRIMMED)}
+    runs = dict(zip(LOOPS, [(plain, TRIMMED), (prepared, SHIPPED), (prepared, TRIMMED), (accumulated, TRIMMED), (scripts_loop, TRIMMED)]))
     results = []
     for block in range(blocks + 1):  # block 0 warms up
         order = baselines.rotated(LOOPS, block)

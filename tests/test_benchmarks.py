@@ -29,7 +29,7 @@ def test_throughput_benchmark_measures_every_variant(tmp_path):
 def test_step_overhead_benchmark_times_every_loop():
     result = run([sys.executable, BENCHMARKS / "step_overhead.py", "--processes", "1", "2", "--blocks", "1", "--steps", "5"], cwd=REPO)
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert len(rows) == 8, result.stdout  # four loops at each of the two process counts
+    assert len(rows) == 10, result.stdout  # five loops at each of the two process counts
     assert all(row.count("|") == 7 for row in rows), result.stdout  # wall clock and CPU time columns
 
 
