@@ -1,12 +1,30 @@
-"""Fixtures and launch helpers: every test runs the scripts as a user would, in a subprocess."""
+"""Fixtures and launch helpers: every test runs the scripts as a user would, in a process of their own.
+
+A `python scripts/X.py` command (a training script, or scripts/launch.py) is a fork of the test
+process, which has already imported what the scripts import (torch, torchvision, accelerate,
+shared/): a new interpreter would spend about 3 s of CPU on those imports, which made up a quarter
+of the suite's time. `accelerate launch`, the training processes a launcher starts, and every other
+command start new interpreters.
+"""
 
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import pytest
+
+# What the scripts' processes get (script_env), set before anything imports torch, so that a forked
+# run sees the same settings at import time as a new interpreter would.
+SCRIPT_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+os.environ.update(SCRIPT_ENV)
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -22,19 +40,88 @@ TIMEOUT = 300
 def script_env():
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
+    env.update(SCRIPT_ENV)
     return env
 
 
-def run(command, cwd, check=True, env=None):
-    """Run a command; on an unexpected exit code, fail with its output."""
-    result = subprocess.run(
-        [str(part) for part in command], cwd=cwd, env=env or script_env(),
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )
+def run(command, cwd, check=True, env=None, new_interpreter=False):
+    """Run a command; on an unexpected exit code, fail with its output.
+
+    `python scripts/X.py ...` with the scripts' environment runs in a fork of this process unless
+    new_interpreter is set; everything else starts as a new process.
+    """
+    command = [str(part) for part in command]
+    is_script = len(command) > 1 and command[0] == sys.executable and Path(command[1]).parent == SCRIPTS
+    if is_script and env is None and not new_interpreter:
+        result = run_script_in_fork(command[1], command[2:], cwd)
+    else:
+        result = subprocess.run(command, cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if check and result.returncode != 0:
         pytest.fail(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+def import_what_the_scripts_import():
+    import accelerate  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (every optimizer's first add_param_group imports it)
+    import tqdm.auto  # noqa: F401
+
+    import shared.checkpoints, shared.cli, shared.data, shared.metrics, shared.outputs, shared.runtime  # noqa: E401, F401
+
+
+def run_script_in_fork(script, args, cwd):
+    """`python script args` in cwd, as a fork of this process; the result as subprocess.run gives it."""
+    import_what_the_scripts_import()
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        pid = os.fork()
+        if pid == 0:  # the child: become `python script args`, then leave without this process's exit handlers
+            exit_code = 1
+            try:
+                os.dup2(stdout.fileno(), 1)
+                os.dup2(stderr.fileno(), 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                os.chdir(cwd)
+                sys.argv = [script, *args]
+                sys.path[0] = str(Path(script).parent)
+                exit_code = run_as_main(script)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(exit_code)
+        exit_code = wait_for(pid, [sys.executable, script, *args])
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess([sys.executable, script, *args], exit_code, stdout.read(), stderr.read())
+
+
+def run_as_main(script):
+    """Run a file as __main__; the exit code the interpreter would give."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def wait_for(pid, command):
+    """The child's exit code; after TIMEOUT seconds it is killed, as subprocess.run would."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise subprocess.TimeoutExpired(command, TIMEOUT)
 
 
 def python_command(script, *args):

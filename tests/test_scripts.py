@@ -44,7 +44,8 @@ def assert_trained(output_dir, script, world_size, min_accuracy):
 def test_one_process_with_python(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
     output_dir = tmp_path / "run"
-    result = run(python_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags), cwd=tmp_path)
+    command = python_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags)
+    result = run(command, cwd=tmp_path, new_interpreter=True)  # the other tests' one-process runs are forks
     assert_trained(output_dir, script, 1, min_accuracy)
     assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
 
