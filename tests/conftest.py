@@ -7,6 +7,7 @@ of the suite's time. `accelerate launch`, the training processes a launcher star
 command start new interpreters.
 """
 
+import importlib
 import json
 import os
 import runpy
@@ -61,18 +62,16 @@ def run(command, cwd, check=True, env=None, new_interpreter=False):
     return result
 
 
-def import_what_the_scripts_import():
-    import accelerate  # noqa: F401
-    import safetensors.torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (every optimizer's first add_param_group imports it)
-    import tqdm.auto  # noqa: F401
-
-    import shared.checkpoints, shared.cli, shared.data, shared.metrics, shared.outputs, shared.runtime  # noqa: E401, F401
+# What the scripts import, loaded into this process before the first fork; torch._dynamo because
+# every optimizer's first add_param_group imports it (half of the 3 s).
+SCRIPT_IMPORTS = ("accelerate", "safetensors.torch", "torch._dynamo", "tqdm.auto", "shared.checkpoints", "shared.cli",
+                  "shared.data", "shared.metrics", "shared.outputs", "shared.runtime")
 
 
 def run_script_in_fork(script, args, cwd):
     """`python script args` in cwd, as a fork of this process; the result as subprocess.run gives it."""
-    import_what_the_scripts_import()
+    for name in SCRIPT_IMPORTS:
+        importlib.import_module(name)
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         pid = os.fork()
         if pid == 0:  # the child: become `python script args`, then leave without this process's exit handlers
