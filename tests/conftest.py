@@ -2,8 +2,8 @@
 
 A `python scripts/X.py` command (a training script, or scripts/launch.py) is a fork of the test
 process, which has already imported what the scripts import (torch, torchvision, accelerate,
-shared/): a new interpreter would spend about 3 s of CPU on those imports, which made up a quarter
-of the suite's time. `accelerate launch`, the training processes a launcher starts, and every other
+shared/): a new interpreter would spend about 3 s of CPU on those imports, which made up a third of
+the suite's CPU time. `accelerate launch`, the training processes a launcher starts, and every other
 command start new interpreters.
 """
 
@@ -72,6 +72,7 @@ def run_script_in_fork(script, args, cwd):
     """`python script args` in cwd, as a fork of this process; the result as subprocess.run gives it."""
     for name in SCRIPT_IMPORTS:
         importlib.import_module(name)
+    command = [sys.executable, script, *args]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         pid = os.fork()
         if pid == 0:  # the child: become `python script args`, then leave without this process's exit handlers
@@ -89,10 +90,10 @@ def run_script_in_fork(script, args, cwd):
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exit_code)
-        exit_code = wait_for(pid, [sys.executable, script, *args])
+        exit_code = wait_for(pid, command)
         stdout.seek(0)
         stderr.seek(0)
-        return subprocess.CompletedProcess([sys.executable, script, *args], exit_code, stdout.read(), stderr.read())
+        return subprocess.CompletedProcess(command, exit_code, stdout.read(), stderr.read())
 
 
 def run_as_main(script):
