@@ -39,10 +39,8 @@ TIMEOUT = 300
 
 
 def script_env():
-    env = dict(os.environ)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    env.update(SCRIPT_ENV)
-    return env
+    """The environment of a script's process: this one's, which SCRIPT_ENV was applied to above."""
+    return dict(os.environ)
 
 
 def run(command, cwd, check=True, env=None, new_interpreter=False):
