@@ -41,11 +41,29 @@ def assert_same_weights(a, b, exact=True):
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)  # float summation order only
 
 
+def assert_close(actual, expected, rel=1e-6, where="value"):
+    """Equal in kind and shape: strings, flags and None exactly, numbers within rel (pytest.approx's
+    default abs of 1e-12 included), lists, tuples and dicts element by element."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_close(actual[key], expected[key], rel, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
+        for index, (left, right) in enumerate(zip(actual, expected)):
+            assert_close(left, right, rel, f"{where}[{index}]")
+    elif isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        assert not isinstance(actual, (bool, str)) and actual == pytest.approx(expected, rel=rel), f"{where}: {actual} != {expected}"
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
 def assert_same_records(a, b, rel=0.0):
     assert [r["epoch"] for r in a] == [r["epoch"] for r in b]
     for left, right in zip(a, b):
+        assert left.keys() == right.keys()
         for key in left.keys() - TIMING_KEYS:
-            assert left[key] == pytest.approx(right[key], rel=rel), key
+            assert_close(left[key], right[key], rel, f"epoch {left['epoch']} {key}")
 
 
 def script_command(script, *args, num_processes=None):
@@ -193,11 +211,11 @@ def test_bf16_on_cpu_changes_the_arithmetic_learns_and_is_tracked(script, data_d
     events = EventAccumulator(str(next((bf16 / "tensorboard").iterdir()))).Reload()
     accuracy = events.Scalars("eval_accuracy")
     assert [e.step for e in accuracy] == [r["epoch"] for r in records]
-    assert [e.value for e in accuracy] == pytest.approx([r["eval_accuracy"] for r in records])
+    assert_close([e.value for e in accuracy], [r["eval_accuracy"] for r in records])
     with sqlite3.connect(bf16 / "mlflow.db") as db:  # the store `mlflow ui` opens
         logged = db.execute("select step, value from metrics where key = 'train_loss' order by step").fetchall()
         params = dict(db.execute("select key, value from params").fetchall())
-    assert logged == pytest.approx([(r["epoch"], r["train_loss"]) for r in records])
+    assert_close(logged, [(r["epoch"], r["train_loss"]) for r in records])
     assert params["output_dir"] == str(bf16) and params["with_tracking"] == "True" and params["mixed_precision"] == "bf16"
 
 
