@@ -4,6 +4,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import time
 
 import accelerate.optimizer
@@ -69,14 +70,33 @@ def run_main(main):
         main()
     except UserError as error:
         rank = int(os.environ.get("RANK", "0"))
-        if rank:
-            # Usually every rank hits the same mistake: give rank 0 time to say it once; the
-            # launcher stops the other ranks when it exits. A rank that fails alone still speaks.
-            time.sleep(3)
-        prefix = f"[rank {rank}] " if rank else ""
-        print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
-            # Exiting with the group still up sometimes aborts in its C++ teardown (signal 6), which
-            # the launcher would report as a second error.
-            torch.distributed.destroy_process_group()
+            leave_process_group_together()
+        if rank:
+            # Usually every rank hits the same mistake and rank 0 has said it: the launcher stops this
+            # rank when rank 0 exits. A rank that fails alone still speaks.
+            time.sleep(3)
+            print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def leave_process_group_together(timeout_s=10):
+    """Wait until every process has come this far, then leave the process group. Rank 0 hosts the
+    rendezvous, so exiting while another rank is still joining the group crashes that rank with a
+    gloo traceback; and exiting with the group still up sometimes aborts in its C++ teardown (signal
+    6). Every rank usually stops at the same mistake, so the wait is short; one that stops alone
+    waits timeout_s at most (its barrier runs in a thread that may never return)."""
+    barrier = threading.Thread(target=_barrier_quietly, daemon=True)
+    barrier.start()
+    barrier.join(timeout_s)
+    if not barrier.is_alive():
+        torch.distributed.destroy_process_group()
+
+
+def _barrier_quietly():
+    try:
+        torch.distributed.barrier()
+    except Exception:  # noqa: BLE001  a peer already left: nothing more to wait for
+        pass

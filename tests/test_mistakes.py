@@ -15,6 +15,7 @@ from datagen import write_small_mnist
 pytestmark = pytest.mark.xdist_group("mistakes")
 
 LAUNCH = SCRIPTS / "launch.py"
+PROBES = Path(__file__).resolve().parent / "probes"
 
 
 def launch(*args):
@@ -146,3 +147,11 @@ def test_epoch_checkpoint_resumes_with_another_process_count(place):
     run(argv, cwd=place)
     records = [line for line in (place / "grown" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4 and '"world_size": 2' in records[-1] and '"world_size": 1' in records[0]
+
+
+def test_a_mistake_found_while_a_rank_still_works_with_the_group_ends_in_one_sentence(tmp_path):
+    """Had rank 0 left the group at once, the rank still in a collective (or still joining the group,
+    whose rendezvous rank 0 hosts) would crash with a gloo traceback instead of stopping with the others."""
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", PROBES / "late_joiner.py"), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == ["error: a mistake found by all 3 processes: fix it."]

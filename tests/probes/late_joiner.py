@@ -1,0 +1,22 @@
+"""Launched by the tests like a training script: every rank stops with the same user mistake, but the
+last rank still has work to do with the group first (a collective, as a rank still joining the group
+or finishing a step would), while rank 0 stops at once."""
+
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from shared import runtime  # noqa: E402
+
+
+def main():
+    accelerator = Accelerator(cpu=runtime.cpu_only())
+    if accelerator.process_index == accelerator.num_processes - 1:
+        accelerator.wait_for_everyone()
+    raise runtime.UserError(f"a mistake found by all {accelerator.num_processes} processes: fix it.")
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)
