@@ -57,7 +57,7 @@ def layered_ddp(rank, world_size, script, data_dir, batch_size, num_epochs, lr, 
         dist.init_process_group("gloo")
     if rung < RUNGS.index("+ prepare and the scripts' step"):
         return baselines.raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr)  # on that group
-    train_set, stats = baselines.load_train_set(script, data_dir)
+    train_set, stats = baselines.load_data_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     loader = InMemoryLoader(inputs, labels, batch_size, accelerator, seed=0)
     model = baselines.make_model(script)

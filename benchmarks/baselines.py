@@ -50,12 +50,15 @@ def make_model(script):
     return getattr(module, RECIPES[script][0])()
 
 
-def load_train_set(script, data_dir):
+def load_data_set(script, data_dir, train=True):
+    """The script's training (or test) set, each sample through the tutorials' per-sample transforms;
+    and the (mean, std) they normalize with, or None."""
     _, name, normalize, _, _ = RECIPES[script]
     steps = [transforms.ToTensor()]
     if normalize:
         steps.append(transforms.Normalize((PIXEL_STATS[name][0],), (PIXEL_STATS[name][1],)))
-    return getattr(datasets, name)(data_dir, train=True, transform=transforms.Compose(steps)), (PIXEL_STATS[name] if normalize else None)
+    data_set = getattr(datasets, name)(data_dir, train=train, transform=transforms.Compose(steps))
+    return data_set, (PIXEL_STATS[name] if normalize else None)
 
 
 def epoch_rates(run_epoch, num_epochs, samples_per_epoch):
@@ -94,8 +97,11 @@ def scripts_step(accelerator, model, optimizer, loss_fn, inputs, labels, epoch_s
     epoch_stats.add(loss, len(labels))
 
 
-def tutorial_recipe(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
-    train_set, _ = load_train_set(script, data_dir)
+def tutorial_setup(rank, world_size, script, data_dir, batch_size, lr):
+    """The tutorials' recipe, ready to train: the DDP model and a function that trains one epoch on
+    this rank's DistributedSampler shard, each sample through ToTensor and Normalize; and the number
+    of samples an epoch trains across all ranks."""
+    train_set, _ = load_data_set(script, data_dir)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     model = DDP(make_model(script))
@@ -106,7 +112,40 @@ def tutorial_recipe(rank, world_size, script, data_dir, batch_size, num_epochs, 
         for images, labels in loader:
             step(model, optimizer, loss_fn, images, labels)
 
-    return epoch_rates(run_epoch, num_epochs, len(sampler) * world_size)
+    return model, run_epoch, len(sampler) * world_size
+
+
+def tutorial_recipe(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
+    _, run_epoch, samples_per_epoch = tutorial_setup(rank, world_size, script, data_dir, batch_size, lr)
+    return epoch_rates(run_epoch, num_epochs, samples_per_epoch)
+
+
+def tutorial_recipe_to_target(rank, world_size, script, data_dir, batch_size, lr, target, max_epochs):
+    """The tutorials' recipe, evaluated on the whole test set after every epoch (by rank 0, the others
+    waiting), until the accuracy reaches `target` or max_epochs have run. Returns, on rank 0, each
+    epoch's (epoch, eval accuracy, time.time() when it was known)."""
+    model, run_epoch, _ = tutorial_setup(rank, world_size, script, data_dir, batch_size, lr)
+    test_set, _ = load_data_set(script, data_dir, train=False)
+    reports = []
+    for epoch in range(1, max_epochs + 1):
+        run_epoch(epoch)
+        reached = torch.zeros(1)
+        if rank == 0:
+            accuracy = test_accuracy(model.module, test_set)
+            reports.append((epoch, accuracy, time.time()))
+            reached.fill_(accuracy >= target)
+        dist.broadcast(reached, src=0)  # every rank stops together
+        if reached.item():
+            break
+    return reports
+
+
+@torch.no_grad()
+def test_accuracy(model, test_set):
+    model.eval()
+    correct = sum(int((model(images).argmax(1) == labels).sum()) for images, labels in DataLoader(test_set, batch_size=1000))
+    model.train()
+    return correct / len(test_set)
 
 
 class Ranks:
@@ -117,7 +156,7 @@ class Ranks:
 
 
 def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
-    train_set, stats = load_train_set(script, data_dir)
+    train_set, stats = load_data_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     loader = InMemoryLoader(inputs, labels, batch_size, Ranks(rank, world_size), seed=0)
     model = DDP(make_model(script)) if world_size > 1 else make_model(script)
@@ -150,7 +189,7 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
         accelerator = Accelerator(mixed_precision=gpu_setting.mixed_precision,
                                   dynamo_backend="inductor" if gpu_setting.compile else "no")
     assert accelerator.num_processes == world_size, "every spawned process joined one group"
-    train_set, stats = load_train_set(script, data_dir)
+    train_set, stats = load_data_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, accelerator.device)
     steps = len(labels) // (batch_size * world_size)
     batches = [(inputs[i * batch_size:(i + 1) * batch_size], labels[i * batch_size:(i + 1) * batch_size]) for i in range(steps)]
@@ -171,7 +210,7 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
 
 
 def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
-    train_set, stats = load_train_set(script, data_dir)
+    train_set, stats = load_data_set(script, data_dir)
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     inputs, labels = inputs[:batch_size], labels[:batch_size]
     model = make_model(script)
@@ -190,7 +229,7 @@ def _worker(rank, world_size, port, threads, own_session, baseline, args, result
         os.setsid()
     # One process runs without a process group, as `python scripts/x.py` does (Accelerate then does
     # not wrap the model in DDP); only the tutorial's recipe wraps even one process in DDP.
-    distributed = world_size > 1 or baseline is tutorial_recipe
+    distributed = world_size > 1 or baseline in (tutorial_recipe, tutorial_recipe_to_target)
     if distributed:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -198,7 +237,7 @@ def _worker(rank, world_size, port, threads, own_session, baseline, args, result
         os.environ["OMP_NUM_THREADS"] = str(threads)  # else accelerate would pick its own
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    if distributed and baseline in (tutorial_recipe, raw_ddp_memory):  # Accelerate starts its own
+    if distributed and baseline in (tutorial_recipe, tutorial_recipe_to_target, raw_ddp_memory):  # Accelerate starts its own
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     rates = baseline(rank, world_size, *args)
     if rank == 0:

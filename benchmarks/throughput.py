@@ -56,7 +56,8 @@ def write_data(root, num_train):
 def script_args(script, data_dir, pipeline, num_epochs, output_dir):
     """The script's path and arguments, as the benchmark runs it."""
     args = [str(REPO / "scripts" / script), "--data_dir", str(data_dir), "--output_dir", str(output_dir),
-            "--overwrite_output_dir", "--num_epochs", str(num_epochs), "--data_pipeline", pipeline]
+            "--overwrite_output_dir", "--num_epochs", str(num_epochs), "--data_pipeline", pipeline,
+            "--no_split_batches"]  # each process takes the whole batch, as in the baselines it is compared with
     if script == "cpu_gloo.py":
         args += ["--log_interval", "1000000"]
     return args

@@ -53,8 +53,10 @@ def main(argv=None):
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
+    # --batch_size samples per step, split across the processes: any world size trains the same model.
+    batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
     # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
-    train_loader, test_loader = data.mnist_loaders(args, "MNIST", accelerator)
+    train_loader, test_loader = data.mnist_loaders(args, "MNIST", accelerator, batch_size)
 
     model = SimpleNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -67,7 +69,7 @@ def main(argv=None):
 
     rank = accelerator.process_index
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log, batch_size)
     if args.eval_only:
         return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=10)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped

@@ -20,7 +20,13 @@ from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E4
 
 
 class SeqNet(nn.Module):
-    """The tutorial's net, layers in its order: lin1, sigmoid, lin2, log_softmax, lin3 (logits out)."""
+    """The tutorial's 784-200-200-10 net with a sigmoid after each hidden layer, logits out.
+
+    The tutorial put a log_softmax after lin2, as a hidden activation, which squeezes the 200 hidden
+    values into log-probabilities and caps what lin3 can learn (cross-entropy already applies the
+    log_softmax to lin3's logits). A sigmoid in its place, like after lin1, lifts eval accuracy on
+    the real-digit subset from 0.807 to 0.939 after the default 10 epochs (one process; benchmarks/README.md).
+    """
 
     def __init__(self, input_size=784, hidden_size1=200, hidden_size2=200, output_size=10):
         super().__init__()
@@ -30,7 +36,7 @@ class SeqNet(nn.Module):
 
     def forward(self, x):
         x = torch.sigmoid(self.lin1(torch.flatten(x, 1)))
-        x = F.log_softmax(self.lin2(x), dim=1)
+        x = torch.sigmoid(self.lin2(x))
         return self.lin3(x)
 
 
@@ -55,9 +61,11 @@ def main(argv=None):
     set_seed(args.seed)
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
+    # --batch_size samples per step, split across the processes: any world size trains the same model.
+    batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
     # Pixels in [0, 1] from ToTensor alone, as the tutorial meant (it divided by 255 a second time).
     # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
-    train_loader, test_loader = data.mnist_loaders(args, "FashionMNIST", accelerator, normalize=False)
+    train_loader, test_loader = data.mnist_loaders(args, "FashionMNIST", accelerator, batch_size, normalize=False)
 
     model = SeqNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -69,7 +77,7 @@ def main(argv=None):
     )
 
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log, batch_size)
     if args.eval_only:
         return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=10)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped

@@ -41,7 +41,8 @@ class NeuralNetwork(torch.nn.Module):
 
 
 def parse_args(argv=None):
-    parser = cli.training_parser(__doc__, name="toy_mlp", num_epochs=3, batch_size=2, lr=0.5, eval_batch_size=2, seed=123)
+    # Batch 4: the tutorial's 2 a process on its 2 GPUs; it splits over 1, 2 and 4 processes.
+    parser = cli.training_parser(__doc__, name="toy_mlp", num_epochs=3, batch_size=4, lr=0.5, eval_batch_size=2, seed=123)
     return parser.parse_args(argv)
 
 
@@ -61,8 +62,10 @@ def main(argv=None):
     data.check_world_size(len(Y_TRAIN), accelerator, "toy_mlp's training set")
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
+    # --batch_size samples per step, split across the processes: any world size trains the same model.
+    batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
     train_set, test_set = TensorDataset(X_TRAIN, Y_TRAIN), TensorDataset(X_TEST, Y_TEST)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
     train_eval_loader = DataLoader(train_set, batch_size=args.eval_batch_size)
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
 
@@ -76,7 +79,7 @@ def main(argv=None):
     )
 
     metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log)
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log, batch_size)
     if args.eval_only:
         return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=2)
     start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped

@@ -35,8 +35,9 @@ class Position:
 class Checkpointer:
     """Saves on the schedule of --checkpointing_steps and resumes from --resume_from_checkpoint."""
 
-    def __init__(self, args, accelerator, output_dir, metrics_log):
+    def __init__(self, args, accelerator, output_dir, metrics_log, batch_size):
         self.args = args
+        self.batch_size = batch_size  # per process
         self.accelerator = accelerator
         self.folder = Path(output_dir) / CHECKPOINT_FOLDER
         self.metrics_log = metrics_log
@@ -71,8 +72,8 @@ class Checkpointer:
             state.update(
                 elapsed_s=self.metrics_log.elapsed(),
                 world_size=self.accelerator.num_processes,
-                batch_size=self.args.batch_size,
-                samples_done=position.batches_done * self.accelerator.num_processes * self.args.batch_size,
+                batch_size=self.batch_size,
+                samples_done=position.batches_done * self.accelerator.num_processes * self.batch_size,
                 num_epochs=self.args.num_epochs,
             )
             (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -120,18 +121,15 @@ class Checkpointer:
 
     def _batches_to_skip(self, path, state):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
-        number of processes, so the position in samples carries over when it falls on a batch boundary."""
-        global_batch = self.accelerator.num_processes * self.args.batch_size
-        if state["batches_done"] == 0:
-            return 0
-        if (state["world_size"], state["batch_size"]) == (self.accelerator.num_processes, self.args.batch_size):
-            return state["batches_done"]
+        number of processes, so the position in samples carries over when it falls on a step boundary."""
+        global_batch = self.accelerator.num_processes * self.batch_size
         if state["samples_done"] % global_batch:
+            saved = state["world_size"] * state["batch_size"]
+            same_steps = f"--batch_size {saved}" if self.args.split_batches else f"{state['world_size']} processes and --batch_size {state['batch_size']}"
             raise UserError(
-                f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']} with "
-                f"{state['world_size']} processes x batch {state['batch_size']}, which is not a whole number of "
-                f"batches of {self.accelerator.num_processes} x {self.args.batch_size}: resume with "
-                f"{state['world_size']} processes and --batch_size {state['batch_size']}, or from an epoch checkpoint."
+                f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']}, which is not a whole "
+                f"number of this run's steps of {global_batch} samples: resume with {same_steps} (its steps of {saved}), "
+                "or from an epoch checkpoint."
             )
         return state["samples_done"] // global_batch
 

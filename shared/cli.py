@@ -53,7 +53,16 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
     parser.add_argument("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
     parser.add_argument("--output_dir", default=f"runs/{name}", help="where metrics.jsonl, model.safetensors and checkpoints go")
     parser.add_argument("--num_epochs", type=positive_int, default=num_epochs, help="passes over the training set")
-    parser.add_argument("--batch_size", type=positive_int, default=batch_size, help="training batch size per process")
+    parser.add_argument(
+        "--batch_size", type=positive_int, default=batch_size,
+        help="training samples per step, split evenly across the processes, so that any number of processes takes "
+        "the same steps on the same samples and trains the same model (with --no_split_batches: per process)",
+    )
+    parser.add_argument(
+        "--no_split_batches", dest="split_batches", action="store_false",
+        help="give every process a batch of --batch_size, as the tutorials do: N processes then step on N x "
+        "--batch_size samples and take N times fewer steps per epoch",
+    )
     parser.add_argument("--eval_batch_size", type=positive_int, default=eval_batch_size, help="evaluation batch size per process")
     parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (the same at every world size)")
     parser.add_argument("--gamma", type=positive_float, default=gamma, help="learning-rate factor applied after each epoch (1.0 keeps it constant)")
@@ -104,3 +113,18 @@ def add_mnist_flags(parser, hub_name):
         help="memory: decode once, slice batches from tensors on the device; torchvision: the tutorials' "
         "per-sample DataLoader, for data that does not fit in memory",
     )
+
+
+def batch_size_per_process(args, num_processes):
+    """Each process's training batch: --batch_size split evenly across the processes, or all of it with
+    --no_split_batches. (accelerate's own DataLoaderConfiguration(split_batches=True) splits every
+    prepared loader, the evaluation batch of 1,000 too, which 3 processes cannot split, and does not
+    reach the in-memory loader; the scripts pass this size to their training loader instead.)"""
+    if not args.split_batches or args.eval_only:  # --eval_only takes no training step
+        return args.batch_size
+    if args.batch_size % num_processes:
+        raise UserError(
+            f"--batch_size {args.batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
+            f"{num_processes}, or --no_split_batches to give every process a batch of {args.batch_size}."
+        )
+    return args.batch_size // num_processes

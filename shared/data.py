@@ -47,8 +47,9 @@ def load_in_download_order(accelerator, load):
     return loaded if loaded is not None else load()
 
 
-def mnist_loaders(args, name, accelerator, normalize=True):
-    """Training and test loaders for the data set `name`, before accelerator.prepare.
+def mnist_loaders(args, name, accelerator, batch_size, normalize=True):
+    """Training loader (batch_size per process) and test loader for the data set `name`, before
+    accelerator.prepare.
 
     --data_pipeline memory (the default) decodes and normalizes every image once into tensors and
     slices batches from them; torchvision feeds each sample through ToTensor and Normalize as the
@@ -71,14 +72,14 @@ def mnist_loaders(args, name, accelerator, normalize=True):
     check_world_size(len(train_set), accelerator, f"the {name} training set")
     if args.data_pipeline == "torchvision":
         return (
-            DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers),
+            DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers),
             DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers),
         )
     device = _tensor_home(train_set, accelerator)
     train_inputs, train_labels = as_tensors(train_set, stats, device)
     test_inputs, test_labels = as_tensors(test_set, stats, torch.device("cpu"))
     return (
-        InMemoryLoader(train_inputs, train_labels, args.batch_size, accelerator, seed=args.seed),
+        InMemoryLoader(train_inputs, train_labels, batch_size, accelerator, seed=args.seed),
         DataLoader(TensorDataset(test_inputs, test_labels), batch_size=args.eval_batch_size),
     )
 

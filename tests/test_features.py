@@ -18,12 +18,13 @@ from datagen import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
 # script -> (flags for a short run, the checkpoint step inside epoch 2 for 1 and for 2 processes,
-#            model class, whether the model has BatchNorm)
+#            model class, whether the model has BatchNorm); --batch_size is split across the processes,
+#            so every world size takes the same steps
 FEATURE_RUNS = {
     "seq_net.py": (["--num_epochs", "2", "--batch_size", "50"], {1: 50}, "SeqNet", False),
     "mnist_conv.py": (["--num_epochs", "2"], {1: 40}, "Net", True),
-    "cpu_gloo.py": (["--num_epochs", "2"], {1: 40, 2: 24}, "SimpleNet", False),
-    "toy_mlp.py": ([], {1: 4, 2: 3}, "NeuralNetwork", False),
+    "cpu_gloo.py": (["--num_epochs", "2"], {1: 40, 2: 40}, "SimpleNet", False),
+    "toy_mlp.py": ([], {1: 3, 2: 3}, "NeuralNetwork", False),
 }
 TIMING_KEYS = {"elapsed_s", "samples_per_sec"}
 
@@ -142,12 +143,12 @@ def test_epoch_checkpoints(data_dir, tmp_path):
 
 
 def test_resume_with_another_process_count(data_dir, tmp_path):
-    """Stopped by 2 processes x batch 25, resumed by 1 process x batch 50: the same global batches follow.
-    (2000 samples split into whole global batches of 50, so no epoch ends in a ragged batch.)"""
-    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "48"]
-    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags, "--batch_size", "25", num_processes=2)
+    """Stopped by 2 processes, resumed by 1 with the same --batch_size 50 (25 a process, then 50): the
+    same steps follow. (2000 samples split into whole steps of 50, so no epoch ends in a ragged one.)"""
+    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "48", "--batch_size", "50"]
+    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags, num_processes=2)
     path = resume_from(full, "step_00000048", tmp_path / "resumed")
-    _, result = train("cpu_gloo.py", tmp_path, "resumed", *flags, "--batch_size", "50", "--resume_from_checkpoint", path)
+    _, result = train("cpu_gloo.py", tmp_path, "resumed", *flags, "--resume_from_checkpoint", path)
     assert "epoch 2, 8 batches in" in result.stdout  # 8 x 50 = 400 samples, as 2 x 8 x 25 were
     assert read_metrics(tmp_path / "resumed")[-1]["world_size"] == 1
     assert_same_weights(weights(full), weights(tmp_path / "resumed"), exact=False)
@@ -156,7 +157,8 @@ def test_resume_with_another_process_count(data_dir, tmp_path):
     mismatch = run(python_command("cpu_gloo.py", "--output_dir", tmp_path / "mismatch", *flags, "--batch_size", "30",
                                   "--resume_from_checkpoint", path), cwd=tmp_path, check=False)
     assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
-    assert "not a whole number of batches of 1 x 30: resume with 2 processes and --batch_size 25" in mismatch.stderr
+    assert "stopped 400 samples into epoch 2, which is not a whole number of this run's steps of 30 samples: " \
+           "resume with --batch_size 50 (its steps of 50)" in mismatch.stderr
 
 
 # -- eval-only ------------------------------------------------------------------------------------
@@ -244,7 +246,7 @@ def test_accumulation_with_a_partial_last_window(tmp_path):
 def test_accumulation_steps_and_schedule_under_two_processes(data_dir, tmp_path):
     """mnist_conv (BatchNorm): steps counted per optimizer step, lr decayed once per epoch at any world size."""
     run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "3",
-                       "--batch_size", "25", "--gradient_accumulation_steps", "2", num_processes=2)
+                       "--batch_size", "50", "--gradient_accumulation_steps", "2", num_processes=2)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [20, 40, 60]  # 2000 / (2 x 25) = 40 batches, 20 steps per epoch
     assert [r["lr"] for r in records] == pytest.approx([0.7, 0.49, 0.343])
@@ -367,4 +369,4 @@ def test_slurm_script_starts_one_launch_per_node(tmp_path):
     run(["bash", REPO / "slurm" / "train_2node.sbatch", "--num_epochs", "2"], cwd=tmp_path, env=env)
     records = read_metrics(tmp_path / "runs" / "slurm-4242")
     assert [r["world_size"] for r in records] == [2, 2]
-    assert (tmp_path / "runs" / "slurm-4242" / "checkpoints" / "step_00000004").is_dir()
+    assert (tmp_path / "runs" / "slurm-4242" / "checkpoints" / "step_00000004").is_dir()  # 5 rows in steps of 4: 2 an epoch

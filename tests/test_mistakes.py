@@ -78,6 +78,10 @@ MISTAKES = {
     "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be greater than 0, got -0.1"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
+    "batch that does not split across the processes": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", SCRIPTS / "cpu_gloo.py",
+                         "--data_dir", p / "data", "--output_dir", p / "fresh"),
+        "--batch_size 64 does not split evenly across 3 processes: pass a multiple of 3, or --no_split_batches"),
     "checkpointing_steps that is no number": (lambda p: cpu_gloo(p, "--checkpointing_steps", "often"),
                                               "argument --checkpointing_steps: must be a whole number, got 'often'"),
     "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),

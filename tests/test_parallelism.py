@@ -1,6 +1,8 @@
-"""Gradient averaging is exact: N processes x batch b end where 1 process x batch N*b ends, for the
-nets without BatchNorm, when the global batch divides the data set; and the ragged case is what the
-README says it is."""
+"""Data parallelism trains the same model: the same command at 1, 2 and 4 processes ends with the same
+weights (--batch_size is split across the processes, so every world size takes the same steps on the
+same samples), for the nets without BatchNorm; gradient averaging is exact, as --no_split_batches shows
+(N processes x batch b end where 1 process x batch N*b ends); and the ragged case is what the README
+says it is."""
 
 import json
 
@@ -17,32 +19,46 @@ def train(script, tmp_path, name, num_processes, *args):
     return output_dir
 
 
+def assert_same_training(runs):
+    """The same weights (to float summation order) and the same steps, samples and losses per epoch."""
+    first, *others = runs
+    for other in others:
+        assert_same_weights(weights(first), weights(other), exact=False)
+        for left, right in zip(read_metrics(first), read_metrics(other)):
+            assert left["train_samples_seen"] == right["train_samples_seen"] == 2000
+            assert (left["step"], left["lr"]) == (right["step"], right["lr"])
+            assert left["train_loss"] == pytest.approx(right["train_loss"], rel=1e-5)
+
+
+def test_cpu_gloo_trains_the_same_model_on_1_2_and_4_processes(data_dir, tmp_path):
+    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--batch_size", "100"]
+    runs = [train("cpu_gloo.py", tmp_path, f"x{n}", n, *flags) for n in (1, 2, 4)]
+    assert [r["step"] for r in read_metrics(runs[0])] == [20, 40]  # 2000 / 100 steps an epoch at every world size
+    assert_same_training(runs)
+
+
 @pytest.mark.parametrize("num_processes, batch", [(2, 50), (4, 25)])
-def test_cpu_gloo_n_processes_equal_one_process_with_n_times_the_batch(num_processes, batch, data_dir, tmp_path):
+def test_without_split_batches_n_processes_equal_one_process_with_n_times_the_batch(num_processes, batch, data_dir, tmp_path):
     flags = ["--data_dir", data_dir, "--num_epochs", "2"]
-    parallel = train("cpu_gloo.py", tmp_path, "parallel", num_processes, *flags, "--batch_size", str(batch))
+    parallel = train("cpu_gloo.py", tmp_path, "parallel", num_processes, *flags, "--batch_size", str(batch), "--no_split_batches")
     single = train("cpu_gloo.py", tmp_path, "single", 1, *flags, "--batch_size", str(num_processes * batch))
-    assert_same_weights(weights(parallel), weights(single), exact=False)
-    for left, right in zip(read_metrics(parallel), read_metrics(single)):
-        assert left["train_samples_seen"] == right["train_samples_seen"] == 2000
-        assert left["step"] == right["step"]
-        assert left["train_loss"] == pytest.approx(right["train_loss"], rel=1e-5)
+    assert_same_training([parallel, single])
 
 
 def test_toy_mlp_five_processes_equal_one_process_with_all_five_rows(tmp_path):
-    parallel = train("toy_mlp.py", tmp_path, "parallel", 5, "--batch_size", "1")
+    parallel = train("toy_mlp.py", tmp_path, "parallel", 5, "--batch_size", "5")
     single = train("toy_mlp.py", tmp_path, "single", 1, "--batch_size", "5")
     assert_same_weights(weights(parallel), weights(single), exact=False)
 
 
 def test_ragged_last_batch_is_topped_up_from_the_start_of_the_epoch(data_dir, tmp_path):
-    """2000 samples in global batches of 2 x 32: the 32nd step has 16 fresh samples; accelerate tops
-    each process's last batch up to 32 with samples from the start of the epoch's order, so both
-    processes take the same number of steps. One process with batch 64 takes a last step of 16.
+    """2000 samples in steps of 64: the 32nd step has 16 fresh samples. With 2 processes (32 each)
+    accelerate tops each process's last batch up to 32 with samples from the start of the epoch's
+    order, so both processes take the same number of steps; one process takes a last step of 16.
     Up to that step the two runs agree; the last step differs."""
-    flags = ["--data_dir", data_dir, "--num_epochs", "1", "--checkpointing_steps", "31"]
-    parallel = train("cpu_gloo.py", tmp_path, "parallel", 2, *flags, "--batch_size", "32")
-    single = train("cpu_gloo.py", tmp_path, "single", 1, *flags, "--batch_size", "64")
+    flags = ["--data_dir", data_dir, "--num_epochs", "1", "--checkpointing_steps", "31", "--batch_size", "64"]
+    parallel = train("cpu_gloo.py", tmp_path, "parallel", 2, *flags)
+    single = train("cpu_gloo.py", tmp_path, "single", 1, *flags)
     for run_dir in (parallel, single):
         assert read_metrics(run_dir)[-1]["step"] == 32
     assert read_metrics(parallel)[-1]["train_samples_seen"] == 2048  # 48 samples seen twice

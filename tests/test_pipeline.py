@@ -10,7 +10,7 @@ from test_features import assert_same_records, assert_same_weights, train, weigh
     ("seq_net.py", None), ("mnist_conv.py", None), ("cpu_gloo.py", None), ("cpu_gloo.py", 3),
 ])
 def test_memory_and_torchvision_pipelines_train_identically(script, num_processes, data_dir, tmp_path):
-    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--batch_size", "48"]  # 2000 / 48 or / 144: ragged ends
+    flags = ["--data_dir", data_dir, "--num_epochs", "2", "--batch_size", "48"]  # 2000 / 48: a ragged end
     runs = {
         pipeline: train(script, tmp_path, pipeline, *flags, "--data_pipeline", pipeline, num_processes=num_processes)[0]
         for pipeline in ("memory", "torchvision")

@@ -67,8 +67,8 @@ def test_cpu_gloo_with_the_cpu_profile_as_is_trains_as_four_processes(data_dir, 
     result = run(launch_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--num_epochs", "1"), cwd=tmp_path)
     record = read_metrics(tmp_path / "run")[0]
     assert record["world_size"] == 4
-    # 2000 samples in global batches of 4 x 64: 8 steps, the last topped up with 48 samples
-    # from the start of the epoch's order so that every process takes the same number of steps.
+    # 2000 samples in steps of 64 (16 a process): 32 steps, the last topped up with 48 samples from
+    # the start of the epoch's order so that every process takes a full batch.
     assert record["train_samples_seen"] == 2048
     for rank in range(4):  # the tutorial's per-rank loss lines
         assert f"Rank: {rank}, Epoch: 1, Batch: 0, Loss:" in result.stdout
