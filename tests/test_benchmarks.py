@@ -67,3 +67,13 @@ def test_accelerate_ladder_benchmark_runs_every_rung(tmp_path):
     assert row["processes"] == 2 and all(row["rounds"][0][name] > 0 for name in RUNGS), row
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1. ", "| 6. "))]
     assert len(rows) == 2 and all(row.count("|") == 5 for row in rows), result.stdout
+
+
+def test_time_to_accuracy_benchmark_times_every_variant(data_dir, tmp_path):
+    """The small learnable digits reach the linear net's target within 3 epochs on every variant."""
+    result = run([sys.executable, BENCHMARKS / "time_to_accuracy.py", "--data_dir", data_dir, "--scripts", "cpu_gloo.py",
+                  "--rounds", "1", "--max_epochs", "3", "--output", tmp_path / "tta.json"], cwd=REPO)
+    (row,) = json.loads((tmp_path / "tta.json").read_text())
+    seconds = {name: value for name, (value, _) in row["rounds"][0].items()}
+    assert set(seconds) == {"script x1", "script x2", "tutorial x1", "tutorial x2"} and all(s and s > 0 for s in seconds.values()), row
+    assert [line.count("|") for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py |")] == [9, 9], result.stdout
