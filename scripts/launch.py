@@ -9,6 +9,7 @@ are left out; a process killed from outside gets one line saying which rank stop
 """
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ def main():
         check_profile(args.config_file, args.cpu)
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
+    # parameters) too; errors still show. A value you set wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         launch_command(args)
     except ChildFailedError as error:

@@ -63,6 +63,8 @@ def main(argv=None):
         # The scheduler below is stepped once per epoch; by default accelerate would step it
         # once per process at every optimizer step.
         step_scheduler_with_optimizer=False,
+        # With checkpoints, DDP keeps one gradient layout, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.ddp_kwargs_for_exact_resume(args),
         log_with=outputs.trackers(args),
         project_config=outputs.project_config(args),
     )

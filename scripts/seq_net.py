@@ -55,6 +55,8 @@ def main(argv=None):
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
+        # With checkpoints, DDP keeps one gradient layout, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.ddp_kwargs_for_exact_resume(args),
         log_with=outputs.trackers(args),
         project_config=outputs.project_config(args),
     )
