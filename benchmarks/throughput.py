@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import baselines  # noqa: E402
-from shared.data import write_mnist_layout  # noqa: E402
+from mnist_files import write_mnist_layout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # script -> (batch size, learning rate: the scripts' defaults; training samples for the benchmark)
@@ -106,6 +106,7 @@ def variants(script, processes, data_dir, num_epochs, workdir):
 
     return {
         "default_memory": pipeline("memory"),
+        "memory_dataloader_pipeline": pipeline("memory_dataloader"),
         "torchvision_pipeline": pipeline("torchvision"),
         "tutorial_recipe": baseline(baselines.tutorial_recipe, default_threads=True),
         "tutorial_recipe_matched_threads": baseline(baselines.tutorial_recipe),
@@ -116,7 +117,7 @@ def variants(script, processes, data_dir, num_epochs, workdir):
     }
 
 
-def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, train_samples=None):
+def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, train_samples=None, only=None):
     """Every variant `repeats` times, in rounds that rotate their order so that no variant always runs
     first or after the slowest; a row holds every round's figures (see medians). The rows so far are
     saved to json_path after each one, so a run that is stopped keeps what it measured."""
@@ -127,7 +128,8 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, tr
         if not data_dir.exists():
             write_data(data_dir, num_train)
         for processes in process_counts:
-            runs = variants(script, processes, data_dir, num_epochs, workdir)
+            runs = {name: measure for name, measure in variants(script, processes, data_dir, num_epochs, workdir).items()
+                    if not only or name in only}
             names = list(runs)
             rounds = []
             for round_index in range(repeats):
@@ -154,6 +156,7 @@ def ratio(row, numerator, denominator):
 
 COLUMNS = {  # variant -> table heading
     "default_memory": "default (memory)",
+    "memory_dataloader_pipeline": "memory DataLoader (candidate)",
     "torchvision_pipeline": "torchvision pipeline",
     "tutorial_recipe": "tutorial recipe",
     "tutorial_recipe_matched_threads": "tutorial recipe, matched threads",
@@ -162,6 +165,7 @@ COLUMNS = {  # variant -> table heading
     "compute_ceiling_1proc": "compute ceiling (1 proc)",
 }
 RATIOS = {  # denominator -> heading of default / denominator
+    "memory_dataloader_pipeline": "default / memory DataLoader",
     "tutorial_recipe": "default / tutorial recipe",
     "tutorial_recipe_matched_threads": "default / tutorial, matched threads",
     "torchvision_pipeline": "default / torchvision pipeline",
@@ -172,13 +176,15 @@ RATIOS = {  # denominator -> heading of default / denominator
 
 
 def tables(rows):
-    lines = ["| script | processes | batch | " + " | ".join(COLUMNS.values()) + " |", "|---" * (3 + len(COLUMNS)) + "|"]
+    measured = [name for name in COLUMNS if name in rows[0]["rounds"][0]]
+    denominators = [name for name in RATIOS if name in measured]
+    lines = ["| script | processes | batch | " + " | ".join(COLUMNS[k] for k in measured) + " |", "|---" * (3 + len(measured)) + "|"]
     for r in rows:
-        lines.append(f"| {r['script']} | {r['processes']} | {r['batch_size']} | " + " | ".join(f"{r[k]:,.0f}" for k in COLUMNS) + " |")
-    lines += ["", "| script | processes | " + " | ".join(RATIOS.values()) + " |", "|---" * (2 + len(RATIOS)) + "|"]
+        lines.append(f"| {r['script']} | {r['processes']} | {r['batch_size']} | " + " | ".join(f"{r[k]:,.0f}" for k in measured) + " |")
+    lines += ["", "| script | processes | " + " | ".join(RATIOS[k] for k in denominators) + " |", "|---" * (2 + len(denominators)) + "|"]
     for r in rows:
         cells = []
-        for denominator in RATIOS:
+        for denominator in denominators:
             middle, low, high = ratio(r, "default_memory", denominator)
             cells.append(f"{middle:.2f} ({low:.2f}-{high:.2f})")
         lines.append(f"| {r['script']} | {r['processes']} | " + " | ".join(cells) + " |")
@@ -187,6 +193,8 @@ def tables(rows):
 
 def targets(rows):
     """The issue's targets, where this run measured what they need: median ratio over rounds, and its range."""
+    if not {"step_ceiling", "tutorial_recipe", "raw_ddp_memory", "compute_ceiling_1proc"} <= set(rows[0]["rounds"][0]):
+        return "- not measured in this run (--variants)"
     found = {(r["script"], r["processes"]): r for r in rows}
     checks = []
     if ("cpu_gloo.py", 2) in found:
@@ -219,6 +227,8 @@ def plot(rows, path):
         processes = [r["processes"] for r in mine]
         for key, label in (("default_memory", "default (in-memory)"), ("torchvision_pipeline", "torchvision pipeline"),
                            ("tutorial_recipe", "tutorial recipe"), ("step_ceiling", "step ceiling")):
+            if key not in mine[0]:
+                continue
             axis.plot(processes, [r[key] for r in mine], marker="o", label=label)
         axis.set(title=script, xlabel="processes", ylabel="training samples/s", xticks=processes)
         axis.grid(alpha=0.3)
@@ -235,6 +245,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant; each figure is the median over rounds")
     parser.add_argument("--train_samples", type=int, help="training samples per data set (default: 24,000 for the linear nets, 6,000 for the conv net)")
     parser.add_argument("--output", default="benchmarks/throughput", help="writes <output>.json (after every row) and <output>.png")
+    parser.add_argument("--variants", nargs="+", choices=list(COLUMNS), help="measure only these (default: all)")
     parser.add_argument("--tables_from", metavar="JSON", help="measure nothing: print the tables of a saved <output>.json and redraw its PNG")
     args = parser.parse_args()
     if args.tables_from:
@@ -246,7 +257,7 @@ def main():
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as workdir:
             rows = [medians(row) for row in measure(args.scripts, args.processes, args.num_epochs, args.repeats,
-                                                    workdir, f"{args.output}.json", args.train_samples)]
+                                                    workdir, f"{args.output}.json", args.train_samples, args.variants)]
         plot(rows, f"{args.output}.png")
         print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, {torch.__version__}, CPU only; "
               f"{time.strftime('%Y-%m-%d')}; {args.repeats} rounds; {time.time() - started:.0f} s.\n")

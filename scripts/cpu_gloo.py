@@ -6,9 +6,6 @@ The tutorial set MASTER_ADDR/PORT and spawned the processes itself; here the lau
 One process, no group:  python scripts/cpu_gloo.py
 """
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,8 +13,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime
 
 
 class SimpleNet(nn.Module):

@@ -5,9 +5,6 @@ On 4 CPU processes (gloo):    accelerate launch --config_file accelerate_configs
 On 4 GPUs:                    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/seq_net.py
 """
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,8 +12,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime
 
 
 class SeqNet(nn.Module):

@@ -5,17 +5,13 @@ On 2 CPU processes (gloo):    accelerate launch --config_file accelerate_configs
 From a notebook:              notebook_launcher(main, args=([],), num_processes=2)   (see the README)
 """
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared import checkpoints, cli, data, metrics, outputs, runtime  # noqa: E402
+from shared import checkpoints, cli, data, metrics, outputs, runtime
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])

@@ -30,7 +30,9 @@ os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 CONFIGS = REPO / "accelerate_configs"
-sys.path.insert(0, str(REPO))
+TOOLS = REPO / "tools"
+sys.path.insert(0, str(SCRIPTS))  # shared/, as the scripts import it
+sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from datagen import write_small_mnist  # noqa: E402
@@ -133,6 +135,11 @@ def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
     if num_processes is not None:
         command += ["--num_processes", num_processes]
     return command + [SCRIPTS / script, *args]
+
+
+def data_flags(script, data_dir):
+    """--data_dir for the scripts that read a data set; toy_mlp has its rows built in and takes none."""
+    return [] if script == "toy_mlp.py" else ["--data_dir", data_dir]
 
 
 def read_metrics(output_dir):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from shared.data import write_mnist_layout
+from mnist_files import write_mnist_layout
 
 
 def learnable_digits(num_samples, seed):

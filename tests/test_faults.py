@@ -13,8 +13,7 @@ from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script
 from datagen import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shared.checkpoints import latest_checkpoint, read_state  # noqa: E402
+from shared.checkpoints import latest_checkpoint, read_state
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 CRASH_PROBE = Path(__file__).resolve().parent / "probes" / "crash_in_save.py"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, launch_command, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, launch_command, python_command, read_metrics, run, script_env
 from datagen import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -77,7 +77,7 @@ def script_command(script, *args, num_processes=None):
 
 def train(script, tmp_path, name, *flags, num_processes=None, data_dir=None):
     output_dir = tmp_path / name
-    args = ["--output_dir", output_dir, *flags] + (["--data_dir", data_dir] if data_dir else [])
+    args = ["--output_dir", output_dir, *flags] + (data_flags(script, data_dir) if data_dir else [])
     result = run(script_command(script, *args, num_processes=num_processes), cwd=tmp_path)
     if "--eval_only" not in args:  # the last epoch ran with the processes launched, not one alone
         assert read_metrics(output_dir)[-1]["world_size"] == (num_processes or 1)
@@ -164,13 +164,13 @@ def test_resume_with_another_process_count(data_dir, tmp_path):
 
 @pytest.mark.parametrize("script", sorted(FEATURE_RUNS))
 def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_path):
-    flags = ["--data_dir", data_dir, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
+    flags = [*data_flags(script, data_dir), "--num_epochs", "1", "--checkpointing_steps", "epoch"]
     run_dir, _ = train(script, tmp_path, "run", *flags)
     last = read_metrics(run_dir)[-1]
     checkpoint = next((run_dir / "checkpoints").iterdir())
     # From the checkpoint on 2 processes (their shards gathered), from the model file on one.
     for source, num_processes in ((checkpoint, 2), (run_dir / "model.safetensors", None)):
-        result = run(script_command(script, "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+        result = run(script_command(script, *data_flags(script, data_dir), "--output_dir", run_dir, "--eval_only",
                                     "--resume_from_checkpoint", source, num_processes=num_processes), cwd=tmp_path)
         evaluation = json.loads((run_dir / "eval.json").read_text())
         assert evaluation["world_size"] == (num_processes or 1) and evaluation["eval_samples"] == last["eval_samples"]
@@ -199,7 +199,7 @@ def test_bf16_on_cpu_changes_the_arithmetic_learns_and_is_tracked(script, data_d
     TensorBoard and MLflow hold the epochs of its metrics.jsonl."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    flags = ["--data_dir", data_dir, *FEATURE_RUNS[script][0]]
+    flags = [*data_flags(script, data_dir), *FEATURE_RUNS[script][0]]
     plain, _ = train(script, tmp_path, "fp32", *flags)
     bf16, _ = train(script, tmp_path, "bf16", *flags, "--mixed_precision", "bf16", "--with_tracking", "--report_to", "all")
     records = read_metrics(bf16)
@@ -260,12 +260,12 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
     one, _ = train("cpu_gloo.py", tmp_path, "one_process", "--data_dir", data_dir, "--num_epochs", "2")
     two, _ = train("cpu_gloo.py", tmp_path, "two_processes", "--data_dir", data_dir, "--num_epochs", "2", num_processes=2)
     png = tmp_path / "curves.png"
-    run([sys.executable, SCRIPTS / "plot_metrics.py", one, two, "-o", png], cwd=tmp_path)
+    run([sys.executable, TOOLS / "plot_metrics.py", one, two, "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1500, 400)
         colors = image.convert("RGB").getcolors(maxcolors=1_000_000)
     assert len(colors) > 50, "more than a blank canvas"
-    missing = run([sys.executable, SCRIPTS / "plot_metrics.py", tmp_path / "nothing", "-o", png], cwd=tmp_path, check=False)
+    missing = run([sys.executable, TOOLS / "plot_metrics.py", tmp_path / "nothing", "-o", png], cwd=tmp_path, check=False)
     assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
 
 

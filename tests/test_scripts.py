@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, SCRIPTS, launch_command, python_command, read_metrics, run
+from conftest import REPO, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -44,7 +44,7 @@ def assert_trained(output_dir, script, world_size, min_accuracy):
 def test_one_process_with_python(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
     output_dir = tmp_path / "run"
-    command = python_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags)
+    command = python_command(script, *data_flags(script, data_dir), "--output_dir", output_dir, *flags)
     result = run(command, cwd=tmp_path, new_interpreter=True)  # the other tests' one-process runs are forks
     assert_trained(output_dir, script, 1, min_accuracy)
     assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
@@ -55,7 +55,7 @@ def test_two_processes_with_cpu_profile(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
     output_dir = tmp_path / "run"
     result = run(
-        launch_command(script, "--data_dir", data_dir, "--output_dir", output_dir, *flags, num_processes=2),
+        launch_command(script, *data_flags(script, data_dir), "--output_dir", output_dir, *flags, num_processes=2),
         cwd=tmp_path,
     )
     assert_trained(output_dir, script, 2, min_accuracy)
@@ -83,12 +83,16 @@ def test_accelerate_launch_with_plain_flags(tmp_path):
     assert_trained(tmp_path / "run", "toy_mlp.py", 2, 0.99)
 
 
-def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
-    """The README's recipe: copy the script and the shared/ folder side by side."""
-    project = tmp_path / "my_project"
+def copy_as_template(project):
+    """The README's recipe: the script and the shared/ folder beside it, copied side by side."""
     project.mkdir()
     shutil.copy(SCRIPTS / "mnist_conv.py", project / "train.py")
-    shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(SCRIPTS / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
+    project = tmp_path / "my_project"
+    copy_as_template(project)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     output_dir = tmp_path / "out"
@@ -96,6 +100,20 @@ def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
     assert read_metrics(output_dir)[0]["eval_accuracy"] > 0.5
     model = load_script_module(project / "train.py").Net()
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
+
+
+def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
+    """Copied into a folder of a checkout, as a user starting a project there would, the copy imports the
+    shared/ beside it: an edit to the copy's shared/ shows up, and the checkout's does not."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(SCRIPTS, checkout / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    project = checkout / "my_project"
+    copy_as_template(project)
+    metrics_file = project / "shared" / "metrics.py"
+    metrics_file.write_text(metrics_file.read_text().replace('f"epoch {record', 'f"my copy: epoch {record'))
+    result = run([sys.executable, project / "train.py", "--data_dir", data_dir, "--output_dir", tmp_path / "out", "--num_epochs", "1"],
+                 cwd=checkout)
+    assert "my copy: epoch 1/1" in result.stdout
 
 
 def test_toy_mlp_from_a_notebook_cell_with_notebook_launcher(tmp_path):

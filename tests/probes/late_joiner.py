@@ -7,7 +7,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from shared import runtime  # noqa: E402
 
 

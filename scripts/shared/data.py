@@ -1,7 +1,6 @@
 """MNIST-family data: downloaded once per machine, read from torchvision's folder layout."""
 
 import math
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets, transforms
 
+from shared import runtime
 from shared.runtime import UserError, first_line
 
 # torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
@@ -63,6 +63,9 @@ def mnist_loaders(args, name, accelerator, batch_size, normalize=True):
         steps.append(transforms.Normalize((stats[0],), (stats[1],)))
     transform = transforms.Compose(steps)
 
+    if Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        raise UserError(f"--data_dir {args.data_dir} is a file, not a folder: pass the folder that holds the data sets, or an empty one to download them into.")
+
     def load():
         if args.dataset_source == "hub":
             return _from_hub(args.dataset_name, args.data_dir, transform)
@@ -78,6 +81,11 @@ def mnist_loaders(args, name, accelerator, batch_size, normalize=True):
     device = _tensor_home(train_set, accelerator)
     train_inputs, train_labels = as_tensors(train_set, stats, device)
     test_inputs, test_labels = as_tensors(test_set, stats, torch.device("cpu"))
+    if args.data_pipeline == "memory_dataloader":  # candidate (issue 19): accelerate's prepared DataLoader over in-memory batches
+        return (
+            DataLoader(InMemoryDataset(train_inputs, train_labels), batch_size=batch_size, shuffle=True, collate_fn=batch_as_is),
+            DataLoader(TensorDataset(test_inputs, test_labels), batch_size=args.eval_batch_size),
+        )
     return (
         InMemoryLoader(train_inputs, train_labels, batch_size, accelerator, seed=args.seed),
         DataLoader(TensorDataset(test_inputs, test_labels), batch_size=args.eval_batch_size),
@@ -102,6 +110,28 @@ def _tensor_home(dataset, accelerator):
         if needed > torch.cuda.mem_get_info(device)[0] // 4:
             return torch.device("cpu")
     return device
+
+
+class InMemoryDataset(torch.utils.data.Dataset):
+    """Samples already decoded into tensors; the DataLoader's fetcher asks for a whole batch at once."""
+
+    def __init__(self, inputs, labels):
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.labels[index]
+
+    def __getitems__(self, indices):
+        rows = torch.as_tensor(indices, device=self.inputs.device)
+        return self.inputs.index_select(0, rows), self.labels.index_select(0, rows)
+
+
+def batch_as_is(batch):
+    """collate_fn for InMemoryDataset, whose __getitems__ already returns the batch."""
+    return batch
 
 
 class InMemoryLoader(DataLoaderStateMixin):
@@ -205,13 +235,18 @@ def check_world_size(num_samples, accelerator, what):
 
 def _open(name, data_dir, train, transform):
     raw_folder = Path(data_dir) / name / "raw"
+    for folder in (Path(data_dir), raw_folder.parent, raw_folder):  # torchvision creates them before it downloads
+        if not folder.exists():
+            runtime.remove_if_left_empty(folder)
     try:
         return DATASETS[name](data_dir, train=train, download=True, transform=transform)
     except RuntimeError as error:
         if "download" in str(error).lower():
+            name_flag = "" if name == "MNIST" else f" --name {name}"
             raise UserError(
-                f"{name} is not in {raw_folder} and could not be downloaded ({first_line(error)}): "
-                f"connect to the internet, or copy {', '.join(RAW_FILES)} into {raw_folder}."
+                f"{name} is not in {raw_folder} and could not be downloaded ({first_line(error)}): connect to the internet, "
+                f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
+                f"with `python tools/offline_mnist.py --data_dir {data_dir}{name_flag}`."
             ) from None
         raise _unreadable(name, raw_folder, error) from None
     except (ValueError, OSError, EOFError) as error:
@@ -223,19 +258,3 @@ def _unreadable(name, raw_folder, error):
         f"The {name} files in {raw_folder} could not be read ({first_line(error)}): "
         "delete them so they are downloaded again, or replace them with complete copies."
     )
-
-
-def write_idx(path, array):
-    """Write a uint8 array as an IDX file, the format MNIST ships in (used by tests and offline set-up)."""
-    array = np.ascontiguousarray(array, dtype=np.uint8)
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    Path(path).write_bytes(header + array.tobytes())
-
-
-def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):
-    """Lay out arrays as torchvision expects <data_dir>/<name>/raw/, so it loads them with no network."""
-    raw_folder = Path(data_dir) / name / "raw"
-    raw_folder.mkdir(parents=True, exist_ok=True)
-    for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
-        write_idx(raw_folder / file_name, array)
-    return raw_folder

@@ -39,18 +39,26 @@ def _parse(kind, text, what):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Reports a bad flag in one line that says what to do, without the usage block."""
+    """Reports a bad flag, or a flag that would do nothing, in one line that says what to do."""
 
     def error(self, message):
         raise UserError(f"{message}: see {self.prog} --help for what it takes.")
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for flag, needs in (("report_to", "with_tracking"), ("keep_last_checkpoints", "checkpointing_steps")):
+            if getattr(namespace, flag, None) is not None and not getattr(namespace, needs, None):
+                self.error(f"argument --{flag} does nothing without --{needs}")
+        return namespace, extras
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's example lines as written, and shows every default."""
+
 
 def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch_size, seed=42, gamma=1.0):
     """A parser with the shared flags; each script passes the defaults of the tutorial it mirrors."""
-    parser = OneLineParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
+    parser = OneLineParser(description=description, formatter_class=HelpFormatter)
     parser.add_argument("--output_dir", default=f"runs/{name}", help="where metrics.jsonl, model.safetensors and checkpoints go")
     parser.add_argument("--num_epochs", type=positive_int, default=num_epochs, help="passes over the training set")
     parser.add_argument(
@@ -94,14 +102,15 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
     )
     parser.add_argument("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
     parser.add_argument(
-        "--report_to", choices=["tensorboard", "mlflow", "all"], default="tensorboard",
-        help="tracker for --with_tracking; stores live under --output_dir",
+        "--report_to", choices=["tensorboard", "mlflow", "all"], default=None,
+        help="tracker for --with_tracking, stored under --output_dir (default: tensorboard)",
     )
     return parser
 
 
 def add_mnist_flags(parser, hub_name):
     """Flags of the scripts that read an MNIST-family data set."""
+    parser.add_argument("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
     parser.add_argument("--num_workers", type=non_negative_int, default=0, help="DataLoader worker processes per training process")
     parser.add_argument(
         "--dataset_source", choices=["torchvision", "hub"], default="torchvision",
@@ -109,7 +118,7 @@ def add_mnist_flags(parser, hub_name):
     )
     parser.add_argument("--dataset_name", default=hub_name, help="with --dataset_source hub: a Hub data set, or a local folder of one")
     parser.add_argument(
-        "--data_pipeline", choices=["memory", "torchvision"], default="memory",
+        "--data_pipeline", choices=["memory", "torchvision", "memory_dataloader"], default="memory",
         help="memory: decode once, slice batches from tensors on the device; torchvision: the tutorials' "
         "per-sample DataLoader, for data that does not fit in memory",
     )

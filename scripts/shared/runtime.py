@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import accelerate.optimizer
 import torch
@@ -84,11 +85,14 @@ def first_line(error):
 
 
 def run_main(main):
-    """Run a script's main(); a UserError ends the process with its sentence and exit code 1."""
+    """Run a script's main(); a UserError ends the process with its sentence and exit code 1, Ctrl-C
+    with one line and exit code 130, and either removes the empty folders the run had created."""
+    rank = int(os.environ.get("RANK", "0"))
+    warn_if_launched_alone()
     try:
         main()
     except UserError as error:
-        rank = int(os.environ.get("RANK", "0"))
+        remove_empty_folders_left()
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
@@ -99,6 +103,38 @@ def run_main(main):
             time.sleep(3)
             print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the run at once: one line, not a traceback each
+        remove_empty_folders_left()
+        if rank == 0:
+            print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
+        os._exit(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
+
+
+def warn_if_launched_alone():
+    """accelerate launch asked for several processes (it sets MASTER_ADDR) but started only this one:
+    its plain launcher does that without a profile on a machine without GPUs, or with a MULTI_CPU
+    profile and no MPI hostfile. Nothing else would show it but world_size 1 in the epoch lines."""
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    in_a_group = any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if launched_by_accelerate and "MASTER_ADDR" in os.environ and not in_a_group:
+        print("warning: accelerate launch was asked for several processes but started this one alone, which trains "
+              "by itself: launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu.", file=sys.stderr, flush=True)
+
+
+_FOLDERS_TO_REMOVE_IF_EMPTY = []
+
+
+def remove_if_left_empty(folder):
+    """A folder this run has just created: a run that fails removes it again if nothing was written to it."""
+    _FOLDERS_TO_REMOVE_IF_EMPTY.append(Path(folder))
+
+
+def remove_empty_folders_left():
+    for folder in reversed(_FOLDERS_TO_REMOVE_IF_EMPTY):  # the innermost first
+        try:
+            folder.rmdir()  # only succeeds when empty
+        except OSError:
+            pass
 
 
 def leave_process_group_together(timeout_s=10):

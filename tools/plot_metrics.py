@@ -1,6 +1,6 @@
 """Draw loss and accuracy against epoch from the metrics.jsonl of one or more runs.
 
-    python scripts/plot_metrics.py runs/cpu_gloo_1proc runs/cpu_gloo_4proc -o curves.png
+    python tools/plot_metrics.py runs/cpu_gloo_1proc runs/cpu_gloo_4proc -o curves.png
 
 One line per run, labelled with its folder name and world size.
 """
@@ -49,6 +49,7 @@ def main():
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
     figure.tight_layout()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.output, dpi=100)
     print(f"wrote {args.output}")
 

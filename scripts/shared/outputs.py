@@ -8,6 +8,7 @@ from pathlib import Path
 
 from accelerate.utils import ProjectConfiguration
 
+from shared import runtime
 from shared.runtime import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -18,7 +19,7 @@ def trackers(args):
     """The log_with of the Accelerator: None unless --with_tracking."""
     if not args.with_tracking:
         return None
-    return ["tensorboard", "mlflow"] if args.report_to == "all" else [args.report_to]
+    return ["tensorboard", "mlflow"] if args.report_to == "all" else [args.report_to or "tensorboard"]
 
 
 def project_config(args):
@@ -29,6 +30,12 @@ def project_config(args):
         # started) unless this is set; a user's own setting wins.
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / 'mlflow.db'}")
     return ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "tensorboard"))
+
+
+def tracker_options(output_dir):
+    """init_trackers' init_kwargs: MLflow keeps its artifacts under --output_dir too (accelerate gives
+    its MLflow tracker no folder, and MLflow's default is ./mlruns of wherever the run started)."""
+    return {"mlflow": {"logging_dir": str(Path(output_dir).resolve() / "mlflow_artifacts")}}
 
 
 def hyperparameters(args):
@@ -44,9 +51,11 @@ def prepare_output_dir(args, accelerator):
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if earlier and not resuming and not args.overwrite_output_dir:
+        resumable = any((output_dir / "checkpoints").glob("step_*/trainer_state.json"))
         raise UserError(
-            f"--output_dir {output_dir} already holds a run ({', '.join(earlier)}): continue it with "
-            "--resume_from_checkpoint latest, choose another --output_dir, or pass --overwrite_output_dir to replace it."
+            f"--output_dir {output_dir} already holds a run ({', '.join(earlier)}): "
+            + ("continue it with --resume_from_checkpoint latest, " if resumable else "")
+            + "choose another --output_dir, or pass --overwrite_output_dir to replace it."
         )
     accelerator.wait_for_everyone()  # everyone has looked before the main process changes anything
     if accelerator.is_main_process:
@@ -54,7 +63,9 @@ def prepare_output_dir(args, accelerator):
             for name in earlier:
                 (output_dir / name).unlink()
             shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-        output_dir.mkdir(parents=True, exist_ok=True)
+        if not output_dir.exists():
+            output_dir.mkdir(parents=True)
+            runtime.remove_if_left_empty(output_dir)
     accelerator.wait_for_everyone()
     return output_dir
 

@@ -1,0 +1,30 @@
+"""MNIST-family files in torchvision's layout, written from arrays: the IDX format MNIST ships in.
+
+The tests, the offline subset (tools/offline_mnist.py) and the benchmarks write their data with it, so
+the scripts read it through torchvision's own loading code, with no network.
+"""
+
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the scripts' shared/ names the files
+from shared.data import RAW_FILES  # noqa: E402
+
+
+def write_idx(path, array):
+    """Write a uint8 array as an IDX file, the format MNIST ships in (used by tests and offline set-up)."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    Path(path).write_bytes(header + array.tobytes())
+
+
+def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):
+    """Lay out arrays as torchvision expects <data_dir>/<name>/raw/, so it loads them with no network."""
+    raw_folder = Path(data_dir) / name / "raw"
+    raw_folder.mkdir(parents=True, exist_ok=True)
+    for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
+        write_idx(raw_folder / file_name, array)
+    return raw_folder
