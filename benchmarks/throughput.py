@@ -106,7 +106,6 @@ def variants(script, processes, data_dir, num_epochs, workdir):
 
     return {
         "default_memory": pipeline("memory"),
-        "memory_dataloader_pipeline": pipeline("memory_dataloader"),
         "torchvision_pipeline": pipeline("torchvision"),
         "tutorial_recipe": baseline(baselines.tutorial_recipe, default_threads=True),
         "tutorial_recipe_matched_threads": baseline(baselines.tutorial_recipe),
@@ -156,7 +155,6 @@ def ratio(row, numerator, denominator):
 
 COLUMNS = {  # variant -> table heading
     "default_memory": "default (memory)",
-    "memory_dataloader_pipeline": "memory DataLoader (candidate)",
     "torchvision_pipeline": "torchvision pipeline",
     "tutorial_recipe": "tutorial recipe",
     "tutorial_recipe_matched_threads": "tutorial recipe, matched threads",
@@ -165,7 +163,6 @@ COLUMNS = {  # variant -> table heading
     "compute_ceiling_1proc": "compute ceiling (1 proc)",
 }
 RATIOS = {  # denominator -> heading of default / denominator
-    "memory_dataloader_pipeline": "default / memory DataLoader",
     "tutorial_recipe": "default / tutorial recipe",
     "tutorial_recipe_matched_threads": "default / tutorial, matched threads",
     "torchvision_pipeline": "default / torchvision pipeline",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run
+from conftest import SCRIPTS, data_flags, launch_command, python_command, read_metrics, run
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {

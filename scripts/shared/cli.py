@@ -118,7 +118,7 @@ def add_mnist_flags(parser, hub_name):
     )
     parser.add_argument("--dataset_name", default=hub_name, help="with --dataset_source hub: a Hub data set, or a local folder of one")
     parser.add_argument(
-        "--data_pipeline", choices=["memory", "torchvision", "memory_dataloader"], default="memory",
+        "--data_pipeline", choices=["memory", "torchvision"], default="memory",
         help="memory: decode once, slice batches from tensors on the device; torchvision: the tutorials' "
         "per-sample DataLoader, for data that does not fit in memory",
     )
