@@ -26,15 +26,22 @@ class _SignatureCache:
         return getattr(inspect, name)
 
 
-# accelerate (1.15) looks up two answers at every optimizer step that cannot change during a run:
-# AcceleratedOptimizer.step asks importlib whether the lomo_optim package is installed (an uncached
-# search of sys.path, about 0.1 ms) and zero_grad reads the wrapped optimizer's signature (about
-# 20 us) to learn whether it takes set_to_none. Together that is more than half of a small net's
-# step on a CPU (benchmarks/step_overhead.py). Each is now asked once.
-if hasattr(accelerate.optimizer, "is_lomo_available"):
-    accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
-if getattr(accelerate.optimizer, "inspect", None) is inspect:
-    accelerate.optimizer.inspect = _SignatureCache()
+def cache_accelerate_step_lookups():
+    """Answer once per run two questions that accelerate 1.15 asks at every optimizer step.
+
+    AcceleratedOptimizer.step asks importlib whether the lomo_optim package is installed (an uncached
+    search of sys.path, about 0.1 ms) and zero_grad reads the wrapped optimizer's signature (about
+    20 us) to learn whether it takes set_to_none; neither answer changes during a run. Only for the
+    accelerate release this was measured on: another may have changed either call. Returns whether
+    it applied.
+    """
+    if not accelerate.__version__.startswith("1.15.") or os.environ.get("UNCACHED_ACCELERATE_LOOKUPS"):
+        return False
+    if hasattr(accelerate.optimizer, "is_lomo_available"):
+        accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
+    if getattr(accelerate.optimizer, "inspect", None) is inspect:
+        accelerate.optimizer.inspect = _SignatureCache()
+    return True
 
 
 class UserError(Exception):
