@@ -63,13 +63,13 @@ def script_args(script, data_dir, pipeline, num_epochs, output_dir):
     return args
 
 
-def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir, env=None):
+def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir):
     """Run the script as a user would and read samples_per_sec back from its metrics.jsonl."""
     output_dir = Path(workdir) / f"{Path(script).stem}_{pipeline}_{processes}"
     launcher = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
                 str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
     command = ([sys.executable] if processes == 1 else launcher) + script_args(script, data_dir, pipeline, num_epochs, output_dir)
-    records = run_script(command, {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes)), **(env or {})}, output_dir)
+    records = run_script(command, {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes))}, output_dir)
     assert records[-1]["world_size"] == processes
     return max(r["samples_per_sec"] for r in records[1:])
 
@@ -106,7 +106,6 @@ def variants(script, processes, data_dir, num_epochs, workdir):
 
     return {
         "default_memory": pipeline("memory"),
-        "uncached_lookups": lambda: script_rate(script, processes, data_dir, "memory", num_epochs, workdir, {"UNCACHED_ACCELERATE_LOOKUPS": "1"}),
         "torchvision_pipeline": pipeline("torchvision"),
         "tutorial_recipe": baseline(baselines.tutorial_recipe, default_threads=True),
         "tutorial_recipe_matched_threads": baseline(baselines.tutorial_recipe),
@@ -156,7 +155,6 @@ def ratio(row, numerator, denominator):
 
 COLUMNS = {  # variant -> table heading
     "default_memory": "default (memory)",
-    "uncached_lookups": "accelerate's per-step look-ups uncached",
     "torchvision_pipeline": "torchvision pipeline",
     "tutorial_recipe": "tutorial recipe",
     "tutorial_recipe_matched_threads": "tutorial recipe, matched threads",
@@ -165,7 +163,6 @@ COLUMNS = {  # variant -> table heading
     "compute_ceiling_1proc": "compute ceiling (1 proc)",
 }
 RATIOS = {  # denominator -> heading of default / denominator
-    "uncached_lookups": "default / look-ups uncached",
     "tutorial_recipe": "default / tutorial recipe",
     "tutorial_recipe_matched_threads": "default / tutorial, matched threads",
     "torchvision_pipeline": "default / torchvision pipeline",
