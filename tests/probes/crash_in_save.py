@@ -30,4 +30,5 @@ def save_state_then_die(self, output_dir=None, **kwargs):
 
 Accelerator.save_state = save_state_then_die
 sys.argv = sys.argv[1:]
+sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # the script's own folder, as `python script.py` has it
 runpy.run_path(sys.argv[0], run_name="__main__")
