@@ -14,6 +14,7 @@ by `spawn` below (torch.multiprocessing, the way tutorials 000 and 004 start the
 Each returns the global training samples per second of every epoch (rank 0's clock, after a barrier).
 """
 
+import functools
 import importlib.util
 import os
 import socket
@@ -21,11 +22,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -35,30 +36,42 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # shared/, as the scripts import it
 from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
 
-# script -> (model class, data set, normalized, optimizer, loss)
-RECIPES = {
-    "cpu_gloo.py": ("SimpleNet", "MNIST", True, torch.optim.SGD, F.cross_entropy),
-    "seq_net.py": ("SeqNet", "FashionMNIST", False, torch.optim.Adam, F.cross_entropy),
-    "mnist_conv.py": ("Net", "MNIST", True, torch.optim.Adadelta, F.nll_loss),
-}
 
-
-def make_model(script):
+@functools.cache
+def script_module(script):
+    """The training script as a module (its __main__ block does not run): the recipe every baseline
+    follows, so they train the script's own model with its optimizer, loss and data set."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / "scripts" / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, RECIPES[script][0])()
+    return module
+
+
+def script_defaults(script):
+    """The script's default flags: batch size, learning rate and the rest."""
+    return script_module(script).parse_args([])
+
+
+def make_model(script):
+    """A new instance of the model class the script defines."""
+    module = script_module(script)
+    (model_class,) = [value for value in vars(module).values()
+                      if isinstance(value, type) and issubclass(value, torch.nn.Module) and value.__module__ == module.__name__]
+    return model_class()
+
+
+def make_optimizer(script, model, lr):
+    return script_module(script).make_optimizer(model, SimpleNamespace(lr=lr))
 
 
 def load_data_set(script, data_dir, train=True):
     """The script's training (or test) set, each sample through the tutorials' per-sample transforms;
     and the (mean, std) they normalize with, or None."""
-    _, name, normalize, _, _ = RECIPES[script]
-    steps = [transforms.ToTensor()]
-    if normalize:
-        steps.append(transforms.Normalize((PIXEL_STATS[name][0],), (PIXEL_STATS[name][1],)))
-    data_set = getattr(datasets, name)(data_dir, train=train, transform=transforms.Compose(steps))
-    return data_set, (PIXEL_STATS[name] if normalize else None)
+    module = script_module(script)
+    stats = PIXEL_STATS[module.DATA_SET] if getattr(module, "NORMALIZE", True) else None
+    steps = [transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else [])
+    data_set = getattr(datasets, module.DATA_SET)(data_dir, train=train, transform=transforms.Compose(steps))
+    return data_set, stats
 
 
 def epoch_rates(run_epoch, num_epochs, samples_per_epoch):
@@ -105,7 +118,7 @@ def tutorial_setup(rank, world_size, script, data_dir, batch_size, lr):
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     model = DDP(make_model(script))
-    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+    optimizer, loss_fn = make_optimizer(script, model, lr), script_module(script).loss_function
 
     def run_epoch(epoch):
         sampler.set_epoch(epoch)
@@ -160,7 +173,7 @@ def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, l
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     loader = InMemoryLoader(inputs, labels, batch_size, Ranks(rank, world_size), seed=0)
     model = DDP(make_model(script)) if world_size > 1 else make_model(script)
-    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+    optimizer, loss_fn = make_optimizer(script, model, lr), script_module(script).loss_function
 
     def run_epoch(epoch):
         loader.set_epoch(epoch)
@@ -196,9 +209,9 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
     model = make_model(script)
     if gpu_setting and gpu_setting.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = RECIPES[script][3](model.parameters(), lr=lr)
+    optimizer = make_optimizer(script, model, lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    loss_fn = RECIPES[script][4]
+    loss_fn = script_module(script).loss_function
 
     def run_epoch(epoch):
         for batch_inputs, batch_labels in batches:
@@ -214,7 +227,7 @@ def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, 
     inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
     inputs, labels = inputs[:batch_size], labels[:batch_size]
     model = make_model(script)
-    optimizer, loss_fn = RECIPES[script][3](model.parameters(), lr=lr), RECIPES[script][4]
+    optimizer, loss_fn = make_optimizer(script, model, lr), script_module(script).loss_function
     steps = len(train_set) // batch_size
 
     def run_epoch(epoch):
@@ -270,7 +283,7 @@ def spawn(baseline, world_size, threads, *args, own_sessions=False):
     own_sessions: every process in a session of its own, as torchrun (and so `accelerate launch`)
     starts the scripts' processes; the default shares this one, as torch.multiprocessing does. Where
     Linux schedules each session as a group (autogroup), that alone changes a run's speed on a small
-    machine: benchmarks/launch_layout.py."""
+    machine (benchmarks/README.md, findings)."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     mp.start_processes(_worker, args=(world_size, free_port(), threads, own_sessions, baseline, args, results),

@@ -33,7 +33,7 @@ from baselines import GpuSetting  # noqa: E402
 import throughput  # noqa: E402
 from throughput import run_script, write_data  # noqa: E402
 
-LR = throughput.SETTINGS["mnist_conv.py"][1]  # the script's default; the rate does not depend on it
+LR = baselines.script_defaults("mnist_conv.py").lr  # the rate does not depend on it
 SETTINGS = {  # name -> (large batch?, setting)
     "fp32": (False, GpuSetting()),
     "compiled": (False, GpuSetting(compile=True)),

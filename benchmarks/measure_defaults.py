@@ -26,8 +26,9 @@ LAUNCHES = {  # processes -> the README's command before the script
 
 
 def train(script, data_dir, output_dir, processes):
-    command = [sys.executable, str(REPO / "scripts" / script), "--data_dir", str(data_dir),
-               "--output_dir", str(output_dir), "--overwrite_output_dir"]
+    command = [sys.executable, str(REPO / "scripts" / script), "--output_dir", str(output_dir), "--overwrite_output_dir"]
+    if script != "toy_mlp.py":  # its rows are built in
+        command += ["--data_dir", str(data_dir)]
     if processes > 1:
         command[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
                         "--num_processes", str(processes)]

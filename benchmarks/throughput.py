@@ -17,8 +17,8 @@ at torch's default, one thread per core in every process. "tutorial recipe, matc
 the same recipe given the scripts' threads, a stricter comparison. The tutorial recipe starts its
 processes as the tutorials do (torch.multiprocessing, one session); raw DDP and the step ceiling
 start theirs as `accelerate launch` starts the scripts' (torchrun: a session each), because on this
-machine the process layout alone moves a run's speed (benchmarks/launch_layout.py: 6-8% at 4
-processes on 2 cores).
+machine the process layout alone moves a run's speed (6-8% at 4 processes on 2 cores; see
+benchmarks/README.md).
 """
 
 import argparse
@@ -41,8 +41,8 @@ import baselines  # noqa: E402
 from mnist_files import write_mnist_layout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# script -> (batch size, learning rate: the scripts' defaults; training samples for the benchmark)
-SETTINGS = {"cpu_gloo.py": (64, 0.01, 24000), "seq_net.py": (100, 0.01, 24000), "mnist_conv.py": (64, 1.0, 6000)}
+# script -> training samples of the benchmark's data (the conv net's steps take longest)
+TRAIN_SAMPLES = {"cpu_gloo.py": 24000, "seq_net.py": 24000, "mnist_conv.py": 6000}
 
 
 def write_data(root, num_train):
@@ -89,7 +89,8 @@ def read_metrics(output_dir):
 
 def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False, as_torchrun=False):
     """as_torchrun: every process in its own session, as `accelerate launch` starts the scripts' processes."""
-    batch, lr, _ = SETTINGS[script]
+    defaults = baselines.script_defaults(script)
+    batch, lr = defaults.batch_size, defaults.lr
     threads = None if default_threads else baselines.threads_for(processes)
     rates = baselines.spawn(baseline, processes, threads, script, str(data_dir), batch, num_epochs, lr,
                             own_sessions=as_torchrun and processes > 1)
@@ -122,7 +123,7 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, tr
     saved to json_path after each one, so a run that is stopped keeps what it measured."""
     rows = []
     for script in scripts:
-        num_train = train_samples or SETTINGS[script][2]
+        num_train = train_samples or TRAIN_SAMPLES[script]
         data_dir = Path(workdir) / f"data_{num_train}"
         if not data_dir.exists():
             write_data(data_dir, num_train)
@@ -136,7 +137,7 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, tr
                 rounds.append({name: runs[name]() for name in order})
                 print(f"measured {script} x{processes}, round {round_index + 1}/{repeats}: "
                       + ", ".join(f"{name} {rounds[-1][name]:,.0f}" for name in names), file=sys.stderr, flush=True)
-            row = {"script": script, "processes": processes, "batch_size": SETTINGS[script][0], "rounds": rounds}
+            row = {"script": script, "processes": processes, "batch_size": baselines.script_defaults(script).batch_size, "rounds": rounds}
             rows.append(row)
             Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
@@ -236,7 +237,7 @@ def plot(rows, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scripts", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--scripts", nargs="+", default=list(TRAIN_SAMPLES), choices=list(TRAIN_SAMPLES))
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--num_epochs", type=int, default=4, help="epoch 1 is warm-up; the fastest of the rest is reported")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant; each figure is the median over rounds")

@@ -78,7 +78,8 @@ def script_time(script, processes, data_dir, target, max_epochs, output_dir):
 
 
 def tutorial_time(script, processes, data_dir, target, max_epochs):
-    batch, lr, _ = throughput.SETTINGS[script]
+    defaults = baselines.script_defaults(script)
+    batch, lr = defaults.batch_size, defaults.lr
     started = time.time()
     reports = baselines.spawn(baselines.tutorial_recipe_to_target, processes, None, script, str(data_dir), batch, lr,
                               target, max_epochs)

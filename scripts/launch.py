@@ -2,12 +2,19 @@
 
     python scripts/launch.py --config_file accelerate_configs/cpu.yaml scripts/cpu_gloo.py --num_epochs 3
 
-Before starting anything it checks the profile: that it exists, that it parses, and that a profile
-asking for GPUs finds some. Then it runs accelerate's own launcher in this process. When a training
-process fails it has already printed its own one-sentence error, so torchrun's report and traceback
-are left out; a process killed from outside gets one line saying which rank stopped. Exits 1.
+Before starting anything it checks the profile (that it exists, that it parses, and that a profile
+asking for GPUs finds some) and, for the training scripts beside it, their flags, so a mistake is
+answered at once instead of after every process has started. With a CPU profile (use_cpu: true) it
+tells every process to use the CPU, so any Accelerate script, one that builds a plain Accelerator()
+too, joins one gloo group (plain `accelerate launch` leaves each process alone at world size 1).
+With --max_restarts, every restart gets a rendezvous store of its own (one machine or several).
+Then it runs accelerate's own launcher in this process. A training process that fails has already
+printed its one-sentence error, so torchrun's report and traceback and the processes' C++ warnings
+are left out; a process killed from outside gets one line saying which rank stopped, and with
+--max_restarts each restart gets one line. Exits 1 on failure.
 """
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -17,7 +24,11 @@ from pathlib import Path
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command, launch_command_parser
+from torch.distributed.elastic.agent.server import api as agent_api
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+HERE = Path(__file__).resolve().parent
 
 
 def fail(sentence):
@@ -26,6 +37,7 @@ def fail(sentence):
 
 
 def check_profile(path, cpu_flag):
+    """The profile's settings; stops with a sentence if it is missing, broken, or asks for absent GPUs."""
     try:
         config = load_config_from_file(path)
     except FileNotFoundError:
@@ -38,29 +50,100 @@ def check_profile(path, cpu_flag):
             f"Profile {path} asks for GPUs ({config.distributed_type}, {config.num_processes} processes) but PyTorch "
             "sees no GPU on this machine: use --config_file accelerate_configs/cpu.yaml, or install a CUDA build of PyTorch."
         )
+    return config
+
+
+def check_script_flags(script, script_args):
+    """The flags of a training script beside this launcher, parsed here before any process starts
+    (each process would first spend seconds importing torch). Prints --help and stops, or stops with
+    the script's own sentence for a bad flag."""
+    path = Path(script).resolve()
+    if path.parent != HERE or path == Path(__file__).resolve():
+        return
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the scripts train only under `if __name__ == "__main__"`
+    from shared.runtime import UserError, print_traceback_if_asked  # the scripts' shared/, which loading the script put on sys.path
+
+    program, sys.argv[0] = sys.argv[0], str(path)  # the script's own name in its messages
+    try:
+        module.parse_args(script_args)
+    except UserError as error:
+        print_traceback_if_asked()
+        fail(str(error))
+    finally:
+        sys.argv[0] = program
+
+
+class RestartLine(logging.Handler):
+    """torchrun's log of a failed process, and of restarting the run, as one line per restart."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = None
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("failed (exitcode"):
+            exitcode, local_rank = record.args[0], record.args[1]
+            self.failed = f"process {local_rank} {how_it_ended(exitcode)}"
+        elif "attempts left; will restart worker group" in message:  # a process of this machine failed
+            left, total = record.args[2], record.args[3]
+            print(f"Restarting the run ({total - left + 1} of {total} restarts): {self.failed or 'a process failed'}; "
+                  "it resumes from its newest checkpoint.", file=sys.stderr, flush=True)
+        elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
+            print("Restarting this machine's processes to rejoin another machine's restarted ones; "
+                  "they resume from the newest checkpoint.", file=sys.stderr, flush=True)
 
 
 def stopped(what, exitcode):
-    """Exit code 1 means the process already printed why (its one-sentence error, or a bug's traceback)."""
-    if exitcode == 1:
-        sys.exit(1)
+    """Exit code 1 means the process already printed why (its one-sentence error, or a bug's traceback);
+    143, that the run saved a checkpoint on a signal to stop and said where."""
+    if exitcode in (1, 143):
+        sys.exit(exitcode)
     fail(f"Training stopped: {what}. Resume with --resume_from_checkpoint latest if the run saved checkpoints.")
 
 
-def how_it_ended(failure):
-    if failure.exitcode < 0:
-        return f"was killed by signal {-failure.exitcode}"
-    return f"exited with code {failure.exitcode}"
+def how_it_ended(exitcode):
+    if exitcode < 0:
+        return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def main():
     args = launch_command_parser().parse_args()
     if not (args.module or args.no_python or Path(args.training_script).is_file()):
         fail(f"Training script {args.training_script} does not exist: pass the path of one of the files in scripts/.")
-    if args.config_file:
-        check_profile(args.config_file, args.cpu)
+    config = check_profile(args.config_file, args.cpu) if args.config_file else None
+    if not (args.module or args.no_python):
+        check_script_flags(args.training_script, args.training_script_args)
+
+    def setting(name):  # the command line's value, else the profile's
+        value = getattr(args, name)
+        return getattr(config, name, None) if value is None else value
+
+    if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    if args.max_restarts:
+        # A fresh rendezvous store for every restart. The profiles' static rendezvous and torchrun's
+        # shared c10d store both keep one store for the whole job, where a restarted process reads
+        # the gloo address of a process that died and fails to connect (torch 2.15).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        if (setting("num_machines") or 1) == 1:
+            args.standalone = True  # torchrun's own c10d rendezvous on this machine
+        else:  # torchrun's c10d rendezvous at --main_process_ip:--main_process_port, not its static one
+            args.rdzv_backend = "c10d"
+            # Machine 0 hosts its store, and is known at --main_process_ip (torchrun would guess
+            # both from the host name, which may resolve to another of its addresses).
+            is_host = setting("machine_rank") == 0
+            args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(is_host)}"]))
+            if is_host:
+                args.local_addr = setting("main_process_ip")
     # torchrun logs every failure at length; the failed process has already said what went wrong.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.propagate = False
+    elastic.addHandler(RestartLine())
+    agent_api.logger.setLevel(logging.INFO)  # its restart notice is an INFO record
     # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
     # parameters) too; errors still show. A value you set wins.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -68,11 +151,13 @@ def main():
         launch_command(args)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        stopped(f"rank {rank} {how_it_ended(failure)}", failure.exitcode)
+        stopped(f"rank {rank} {how_it_ended(failure.exitcode)}", failure.exitcode)
     except subprocess.CalledProcessError as error:  # the one-process launcher
         stopped(f"the process exited with code {error.returncode}", error.returncode)
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
+    except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
+        sys.exit(128 + error.sigval)
     except KeyboardInterrupt:
         fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")
 

@@ -34,9 +34,17 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=-1)
 
 
-def parse_args(argv=None):
-    # Adadelta with lr 1.0 and a 0.7 decay per epoch, as pytorch/examples trains this net;
+DATA_SET = "MNIST"
+loss_function = F.nll_loss  # Net returns log-probabilities
+
+
+def make_optimizer(model, args):
+    # Adadelta with lr 1.0 and a 0.7 decay per epoch (--gamma), as pytorch/examples trains this net;
     # the tutorial's lr 0.01 learns far more slowly.
+    return torch.optim.Adadelta(model.parameters(), lr=args.lr)
+
+
+def parse_args(argv=None):
     parser = cli.training_parser(
         __doc__, name="mnist_conv", num_epochs=5, batch_size=64, lr=1.0, gamma=0.7, eval_batch_size=1000
     )
@@ -56,11 +64,10 @@ def main(argv=None):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        # The scheduler below is stepped once per epoch; by default accelerate would step it
-        # once per process at every optimizer step.
+        # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # With checkpoints, DDP keeps one gradient layout, so a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.ddp_kwargs_for_exact_resume(args),
+        # --ddp_timeout; with checkpoints, a fixed gradient layout, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.distributed_kwargs(args),
         log_with=outputs.trackers(args),
         project_config=outputs.project_config(args),
     )
@@ -71,12 +78,12 @@ def main(argv=None):
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
     # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
-    train_loader, test_loader = data.mnist_loaders(args, "MNIST", accelerator, batch_size)
+    train_loader, test_loader = data.mnist_loaders(args, DATA_SET, accelerator, batch_size)
 
     model = Net()
     if args.channels_last:  # the weights in NHWC order; the convolutions then give NHWC activations
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model, args)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     # prepare() wraps the model in DDP, moves it to the device and shards DataLoaders across
     # processes (the in-memory loader shards itself the same way and passes through unchanged).
@@ -84,43 +91,59 @@ def main(argv=None):
         model, optimizer, train_loader, test_loader, scheduler
     )
 
-    metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log, batch_size)
-    if args.eval_only:
-        return checkpointer.evaluate_only(model, test_loader, F.nll_loss, num_classes=10)
-    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
-    if args.with_tracking:
-        accelerator.init_trackers("mnist_conv", config=outputs.hyperparameters(args))
+    if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
+        weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
+        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
+        outputs.report_eval(results, weights, accelerator, output_dir)
+        accelerator.end_training()
+        return
 
+    cli.check_accumulation(args, len(train_loader))
+    metrics_log = outputs.MetricsLog(output_dir, accelerator)
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, batch_size)
+    preemption = runtime.Preemption(accelerator, args)  # with checkpoints: SIGTERM or SIGUSR1 saves, then stops
+    start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
+    if args.resume_from_checkpoint:
+        start = checkpointer.resume()  # every process loads its saved state: weights, optimizer, RNG
+        metrics_log.continue_from(start)
+    if args.with_tracking:
+        accelerator.init_trackers("mnist_conv", config=outputs.hyperparameters(args), init_kwargs=outputs.tracker_options(output_dir))
+
+    step = start.global_step
     for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
-        train_loader.set_epoch(epoch)
-        resumed = start if epoch == start.epoch else None
-        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resumed else train_loader
-        stats = metrics.EpochStats(accelerator, resumed)
+        train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
+        resuming = epoch == start.epoch and start.batches_done > 0
+        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
+        stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
         for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
             with accelerator.accumulate(model):
-                loss = F.nll_loss(model(images), labels)
+                loss = loss_function(model(images), labels)
                 accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
             if accelerator.sync_gradients:  # an optimizer step happened
-                checkpointer.step_done(epoch, stats)
+                step += 1
+                stopping = preemption.stop_agreed(step)
+                if stopping or checkpointer.due(step):
+                    saved = checkpointer.save(epoch, step, stats)
+                if stopping:
+                    raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
         scheduler.step()
 
-        train_metrics = stats.finish()
-        eval_metrics = metrics.evaluate(model, test_loader, accelerator, F.nll_loss, num_classes=10)
-        progress = {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]}
-        record = metrics_log.write(epoch, train_metrics, eval_metrics, progress)
+        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
+        record = metrics_log.write(epoch, stats.summary(), results, {"step": step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
         accelerator.log(outputs.scalars(record), step=epoch)
-        checkpointer.epoch_done(epoch)
+        if args.checkpointing_steps == "epoch":
+            checkpointer.save(epoch + 1, step)
 
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
     # it loads into the plain model class.
     accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
+    accelerator.print(f"Saved the trained model to {output_dir / outputs.MODEL_FILE}")
     accelerator.end_training()
 
 

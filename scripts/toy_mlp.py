@@ -36,6 +36,13 @@ class NeuralNetwork(torch.nn.Module):
         return self.layers(x)
 
 
+loss_function = F.cross_entropy  # NeuralNetwork returns logits
+
+
+def make_optimizer(model, args):
+    return torch.optim.SGD(model.parameters(), lr=args.lr)
+
+
 def parse_args(argv=None):
     # Batch 4: the tutorial's 2 a process on its 2 GPUs; it splits over 1, 2 and 4 processes.
     parser = cli.training_parser(__doc__, name="toy_mlp", num_epochs=3, batch_size=4, lr=0.5, eval_batch_size=2, seed=123)
@@ -50,9 +57,10 @@ def main(argv=None):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # The shuffle order depends only on the seed and the epoch, identically on every process.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the scheduler is stepped once per epoch, below
-        # With checkpoints, DDP keeps one gradient layout, so a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.ddp_kwargs_for_exact_resume(args),
+        # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
+        step_scheduler_with_optimizer=False,
+        # --ddp_timeout; with checkpoints, a fixed gradient layout, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.distributed_kwargs(args),
         log_with=outputs.trackers(args),
         project_config=outputs.project_config(args),
     )
@@ -69,7 +77,7 @@ def main(argv=None):
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
 
     model = NeuralNetwork(num_inputs=2, num_outputs=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model, args)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     # prepare() puts every tensor on the right device, so accuracy is never computed on stray CPU
     # tensors, and shards the loaders so each process sees its own rows.
@@ -77,46 +85,62 @@ def main(argv=None):
         model, optimizer, train_loader, train_eval_loader, test_loader, scheduler
     )
 
-    metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, metrics_log, batch_size)
-    if args.eval_only:
-        return checkpointer.evaluate_only(model, test_loader, F.cross_entropy, num_classes=2)
-    start = checkpointer.resume()  # epoch 1 of a new run, or where --resume_from_checkpoint stopped
-    if args.with_tracking:
-        accelerator.init_trackers("toy_mlp", config=outputs.hyperparameters(args))
+    if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
+        weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
+        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
+        outputs.report_eval(results, weights, accelerator, output_dir)
+        accelerator.end_training()
+        return
 
+    cli.check_accumulation(args, len(train_loader))
+    metrics_log = outputs.MetricsLog(output_dir, accelerator)
+    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, batch_size)
+    preemption = runtime.Preemption(accelerator, args)  # with checkpoints: SIGTERM or SIGUSR1 saves, then stops
+    start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
+    if args.resume_from_checkpoint:
+        start = checkpointer.resume()  # every process loads its saved state: weights, optimizer, RNG
+        metrics_log.continue_from(start)
+    if args.with_tracking:
+        accelerator.init_trackers("toy_mlp", config=outputs.hyperparameters(args), init_kwargs=outputs.tracker_options(output_dir))
+
+    step = start.global_step
     for epoch in range(start.epoch, args.num_epochs + 1):
         model.train()
-        train_loader.set_epoch(epoch)
-        resumed = start if epoch == start.epoch else None
-        batches = accelerator.skip_first_batches(train_loader, start.batches_done) if resumed else train_loader
-        stats = metrics.EpochStats(accelerator, resumed)
+        train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
+        resuming = epoch == start.epoch and start.batches_done > 0
+        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
+        stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
         for features, labels in batches:
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(features), labels)
+                loss = loss_function(model(features), labels)
                 accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
             stats.add(loss, len(labels))
             if accelerator.sync_gradients:  # an optimizer step happened
-                checkpointer.step_done(epoch, stats)
+                step += 1
+                stopping = preemption.stop_agreed(step)
+                if stopping or checkpointer.due(step):
+                    saved = checkpointer.save(epoch, step, stats)
+                if stopping:
+                    raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
         scheduler.step()
 
         # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
-        train_metrics = stats.finish()
-        train_eval = metrics.evaluate(model, train_eval_loader, accelerator, F.cross_entropy, num_classes=2, prefix="train_eval")
-        test_eval = metrics.evaluate(model, test_loader, accelerator, F.cross_entropy, num_classes=2)
-        progress = {"step": checkpointer.global_step, "lr": scheduler.get_last_lr()[0]}
-        record = metrics_log.write(epoch, train_eval, train_metrics, test_eval, progress)
+        train_eval = metrics.evaluate(model, train_eval_loader, accelerator, loss_function, num_classes=2, prefix="train_eval")
+        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
+        record = metrics_log.write(epoch, train_eval, stats.summary(), results, {"step": step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, args.num_epochs))
         accelerator.log(outputs.scalars(record), step=epoch)
-        checkpointer.epoch_done(epoch)
+        if args.checkpointing_steps == "epoch":
+            checkpointer.save(epoch + 1, step)
 
     accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
     # it loads into the plain model class.
     accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
+    accelerator.print(f"Saved the trained model to {output_dir / outputs.MODEL_FILE}")
     accelerator.end_training()
 
 

@@ -4,10 +4,12 @@ gradient accumulation, the scheduler, tracking, plots, Hub data, torch.compile a
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, launch_command, python_command, read_metrics, run, script_env
 from datagen import write_hub_dataset, write_small_mnist
+from shared.checkpoints import latest_checkpoint
 from test_scripts import load_script_module
 
 # script -> (flags for a short run, a checkpoint step inside epoch 2, model class, whether the model
@@ -180,6 +183,18 @@ def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_pat
     assert len(read_metrics(run_dir)) == 1, "evaluation leaves the run's metrics alone"
 
 
+def test_eval_only_latest_evaluates_the_newest_weights_of_the_run(data_dir, tmp_path):
+    """After a run that finished past its last checkpoint, `latest` is its final model.safetensors."""
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "40")
+    assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_00000040"]  # the run ends at step 64
+    result = run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+                                "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert evaluation["weights"] == str(run_dir / "model.safetensors")
+    assert evaluation["eval_accuracy"] == read_metrics(run_dir)[-1]["eval_accuracy"]
+    assert result.stdout.startswith(f"{run_dir / 'model.safetensors'}: eval_accuracy")
+
+
 # -- precision, accumulation, schedule ------------------------------------------------------------
 
 def test_channels_last_trains_and_saves_weights_that_load_into_the_plain_net(data_dir, tmp_path):
@@ -218,6 +233,9 @@ def test_bf16_on_cpu_changes_the_arithmetic_learns_and_is_tracked(script, data_d
         params = dict(db.execute("select key, value from params").fetchall())
     assert_close(logged, [(r["epoch"], r["train_loss"]) for r in records])
     assert params["output_dir"] == str(bf16) and params["with_tracking"] == "True" and params["mixed_precision"] == "bf16"
+    with sqlite3.connect(bf16 / "mlflow.db") as db:  # MLflow's artifacts go under --output_dir, not the working folder
+        (artifacts,) = db.execute("select artifact_uri from runs").fetchone()
+    assert artifacts.startswith(str(bf16 / "mlflow_artifacts")), artifacts
 
 
 @pytest.mark.parametrize("script, batch", [("seq_net.py", 50), ("cpu_gloo.py", 25)])
@@ -259,7 +277,7 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
 
     one, _ = train("cpu_gloo.py", tmp_path, "one_process", "--data_dir", data_dir, "--num_epochs", "2")
     two, _ = train("cpu_gloo.py", tmp_path, "two_processes", "--data_dir", data_dir, "--num_epochs", "2", num_processes=2)
-    png = tmp_path / "curves.png"
+    png = tmp_path / "plots" / "new" / "curves.png"  # folders that do not exist yet
     run([sys.executable, TOOLS / "plot_metrics.py", one, two, "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1500, 400)
@@ -349,23 +367,62 @@ def test_two_machines_on_loopback_train_as_one_group(data_dir, tmp_path):
     assert_same_records(read_metrics(single), read_metrics(tmp_path / "multi"))
 
 
-def test_slurm_script_starts_one_launch_per_node(tmp_path):
-    """The batch script under stand-ins for srun and scontrol: 2 'nodes' on this machine, 1 process each."""
+def slurm_stand_ins(tmp_path, job_id, script, **settings):
+    """The environment of the batch script under stand-ins for srun and scontrol: 2 'nodes' on this
+    machine, 1 process each. srun runs its command once per node with that node's SLURM_NODEID,
+    passes SIGTERM on to them as the real one does, and fails if any fails; scontrol names the nodes
+    and writes down a requeue."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n")
-    # srun runs its command once per node, with that node's SLURM_NODEID, and fails if any fails.
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\nif [ "$1" = requeue ]; then echo "requeue $2" >> "$REQUEUE_LOG"; exit 0; fi\necho 127.0.0.1\necho 127.0.0.2\n')
     (bin_dir / "srun").write_text(
-        '#!/bin/bash\nshift\nfor id in 0 1; do SLURM_NODEID=$id "$@" & done\nstatus=0\n'
-        'for job in $(jobs -p); do wait $job || status=1; done\nexit $status\n'
+        '#!/bin/bash\nshift\npids=()\nfor id in 0 1; do SLURM_NODEID=$id "$@" & pids+=($!); done\n'
+        'trap \'kill -TERM "${pids[@]}" 2>/dev/null\' TERM\nstatus=0\n'
+        'for pid in "${pids[@]}"; do\n  while true; do wait "$pid"; code=$?; kill -0 "$pid" 2>/dev/null || break; done\n'
+        '  [ "$code" -eq 0 ] || status=1\ndone\nexit $status\n'
     )
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     env = script_env()
     env.update(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
-               SLURM_NNODES="2", SLURM_JOB_ID="4242", CONFIG=str(CONFIGS / "cpu.yaml"), GPUS_PER_NODE="1",
-               MAIN_PORT=str(free_port()), SCRIPT=str(SCRIPTS / "toy_mlp.py"))
+               SLURM_NNODES="2", SLURM_JOB_ID=str(job_id), CONFIG=str(CONFIGS / "cpu.yaml"), GPUS_PER_NODE="1",
+               MAIN_PORT=str(free_port()), SCRIPT=str(SCRIPTS / script), LAUNCHER=str(SCRIPTS / "launch.py"), REQUEUE_LOG=str(tmp_path / "requeued"), **settings)
+    return env
+
+
+def test_slurm_script_starts_one_launch_per_node(tmp_path):
+    env = slurm_stand_ins(tmp_path, 4242, "toy_mlp.py")
     run(["bash", REPO / "slurm" / "train_2node.sbatch", "--num_epochs", "2"], cwd=tmp_path, env=env)
     records = read_metrics(tmp_path / "runs" / "slurm-4242")
     assert [r["world_size"] for r in records] == [2, 2]
     assert (tmp_path / "runs" / "slurm-4242" / "checkpoints" / "step_00000004").is_dir()  # 5 rows in steps of 4: 2 an epoch
+
+
+def test_slurm_early_warning_saves_requeues_and_the_requeued_job_resumes(tmp_path):
+    """SLURM's SIGUSR1 to the batch shell: the launches save a checkpoint inside the epoch and stop, the
+    job is requeued, and the requeued job (same job id) ends bitwise where an uninterrupted one ends."""
+    write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
+    flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
+    batch_script = ["bash", REPO / "slurm" / "train_2node.sbatch", *flags]
+    run(batch_script, cwd=tmp_path, env=slurm_stand_ins(tmp_path, 1111, "cpu_gloo.py"))  # never interrupted
+
+    env = slurm_stand_ins(tmp_path, 4242, "cpu_gloo.py")
+    output_dir = tmp_path / "runs" / "slurm-4242"
+    job = subprocess.Popen([str(part) for part in batch_script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((output_dir / "metrics.jsonl").exists() and read_metrics(output_dir)):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "the training processes save a checkpoint, then the job is requeued" in stdout
+    assert (tmp_path / "requeued").read_text() == "requeue 4242\n"
+    saved = latest_checkpoint(output_dir / "checkpoints")
+    assert json.loads((saved / "trainer_state.json").read_text())["batches_done"] > 0, "saved inside an epoch"
+    assert not (output_dir / "model.safetensors").exists()
+
+    run(batch_script, cwd=tmp_path, env=env)  # the requeued job
+    assert_same_weights(weights(tmp_path / "runs" / "slurm-1111"), weights(output_dir))
+    assert_same_records(read_metrics(tmp_path / "runs" / "slurm-1111"), read_metrics(output_dir), rel=1e-6)

@@ -3,12 +3,14 @@ trace, and the files of an earlier run in the same place unchanged."""
 
 import hashlib
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, python_command, run
+from conftest import CONFIGS, SCRIPTS, python_command, run, script_env
 from datagen import write_small_mnist
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
@@ -86,6 +88,21 @@ MISTAKES = {
                                               "argument --checkpointing_steps: must be a whole number, got 'often'"),
     "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
                                                "could not be downloaded"),
+    "offline, the way to real digits without a network": (
+        lambda p: python_command("seq_net.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
+        "for offline runs with `python tools/offline_mnist.py --data_dir"),
+    "data_dir that is a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file"), "a_file is a file, not a folder: pass the folder that holds the data sets"),
+    "a model file passed to resume training": (
+        lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", p / "earlier" / "model.safetensors", output="earlier"),
+        "model.safetensors is a file, not a checkpoint folder: resume training from a folder under <output_dir>/checkpoints/ or 'latest', "
+        "or evaluate a model file with --eval_only"),
+    "report_to without with_tracking": (lambda p: cpu_gloo(p, "--report_to", "mlflow"), "argument --report_to does nothing without --with_tracking"),
+    "keep_last_checkpoints without checkpointing_steps": (lambda p: cpu_gloo(p, "--keep_last_checkpoints", "2"),
+                                                          "argument --keep_last_checkpoints does nothing without --checkpointing_steps"),
+    "data_dir for toy_mlp, whose rows are built in": (lambda p: python_command("toy_mlp.py", "--data_dir", p / "data", "--output_dir", p / "fresh"),
+                                                      "unrecognized arguments: --data_dir"),
+    "accumulation longer than an epoch": (lambda p: cpu_gloo(p, "--gradient_accumulation_steps", "100"),
+                                          "--gradient_accumulation_steps 100 is more than the 4 batches each process trains in an epoch"),
     "truncated data file": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
                             "could not be read"),
     # With several processes only the main process reads first; the others must stop with it, not crash.
@@ -136,7 +153,15 @@ def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     assert text in sentence
     assert ": " in sentence and sentence.endswith("."), "what went wrong, then what to do"
     assert snapshot(place) == before, "the earlier runs' files are unchanged"
-    assert not (place / "fresh" / "metrics.jsonl").exists()
+    assert not (place / "fresh").exists() and not (place / "empty").exists(), "no empty folder left behind"
+
+
+def test_the_advice_for_a_folder_holding_a_run_names_only_what_works(place):
+    """A run with checkpoints may be continued; one without may not, and is not advised to."""
+    for output, resumable in (("earlier", True), ("no_checkpoints", False)):
+        result = run(cpu_gloo(place, output=output), cwd=place, check=False)
+        assert result.returncode == 1 and "already holds a run" in result.stderr
+        assert ("--resume_from_checkpoint latest" in result.stderr) == resumable, result.stderr
 
 
 def test_there_are_at_least_fifteen_mistakes():
@@ -159,3 +184,34 @@ def test_a_mistake_found_while_a_rank_still_works_with_the_group_ends_in_one_sen
     result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", PROBES / "late_joiner.py"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == ["error: a mistake found by all 3 processes: fix it."]
+
+
+def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
+    """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
+    (cpu.yaml would start 4, each importing torch before its parser could answer)."""
+    import psutil
+
+    command = [str(part) for part in launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--batch_size", "0")]
+    job = subprocess.Popen(command, cwd=place, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher, children = psutil.Process(job.pid), set()
+    while job.poll() is None:
+        try:
+            children.update(child.pid for child in launcher.children(recursive=True))
+        except psutil.Error:
+            pass
+        time.sleep(0.01)
+    stderr = job.stderr.read()
+    assert job.returncode == 1 and stderr.splitlines() == [
+        "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."]
+    assert not children, "no process was started"
+
+
+def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):
+    """SHOW_TRACEBACK=1: the same sentence, with the traceback that led to it, from the script and
+    from the launcher's own check of the flags."""
+    env = script_env()
+    env["SHOW_TRACEBACK"] = "1"
+    for command in (cpu_gloo(place, "--batch_size", "0"), launch(SCRIPTS / "cpu_gloo.py", "--batch_size", "0")):
+        result = run(command, cwd=place, check=False, env=env)
+        assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr, result.stderr[-2000:]
+        assert result.stderr.splitlines()[-1] == "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."

@@ -1,14 +1,18 @@
 """Each script end to end, as 1 process and as 2 processes, launched the ways the README shows."""
 
 import importlib.util
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SCRIPTS, data_flags, launch_command, python_command, read_metrics, run
+from conftest import CONFIGS, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run, script_env
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -48,6 +52,7 @@ def test_one_process_with_python(script, data_dir, tmp_path):
     result = run(command, cwd=tmp_path, new_interpreter=True)  # the other tests' one-process runs are forks
     assert_trained(output_dir, script, 1, min_accuracy)
     assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
+    assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in result.stdout
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_TEST))
@@ -70,8 +75,9 @@ def test_cpu_gloo_with_the_cpu_profile_as_is_trains_as_four_processes(data_dir, 
     # 2000 samples in steps of 64 (16 a process): 32 steps, the last topped up with 48 samples from
     # the start of the epoch's order so that every process takes a full batch.
     assert record["train_samples_seen"] == 2048
-    for rank in range(4):  # the tutorial's per-rank loss lines
-        assert f"Rank: {rank}, Epoch: 1, Batch: 0, Loss:" in result.stdout
+    # The tutorial's per-rank losses, gathered into one line by rank 0 (not 4 processes' lines colliding).
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("Epoch 1, batch 0, loss by rank: ")]
+    assert [part.split(": ")[0] for part in line.split("loss by rank: ")[1].split("  ")] == ["0", "1", "2", "3"]
 
 
 def test_accelerate_launch_with_plain_flags(tmp_path):
@@ -130,3 +136,39 @@ notebook_launcher(main, args=(["--output_dir", {str(tmp_path / "run")!r}],), num
     assert records[-1]["world_size"] == 2
     assert records[-1]["eval_accuracy"] == 1.0 and records[-1]["train_eval_accuracy"] == 1.0
     assert torch.equal(torch.tensor([r["eval_samples"] for r in records]), torch.tensor([2, 2, 2]))
+
+
+def test_help_keeps_the_example_commands_on_their_own_lines():
+    result = run(python_command("mnist_conv.py", "--help"), cwd=SCRIPTS)
+    assert "\nRun on one process:           python scripts/mnist_conv.py\n" in result.stdout
+    assert "(default: 64)" in " ".join(result.stdout.split()), "every default is shown"
+
+
+def test_accelerate_launch_of_several_processes_that_runs_one_says_so(tmp_path):
+    """Without a profile, on a machine without GPUs, accelerate's plain launcher starts one process for
+    --num_processes 2; the script warns in one line (and trains, as it was started)."""
+    env = {**script_env(), "HF_HOME": str(tmp_path / "hf")}  # no default accelerate config of this machine's user
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", SCRIPTS / "toy_mlp.py",
+               "--output_dir", tmp_path / "run"]
+    result = run(command, cwd=tmp_path, env=env)
+    assert read_metrics(tmp_path / "run")[-1]["world_size"] == 1
+    assert [line for line in result.stderr.splitlines() if line.startswith("warning: ")] == [
+        "warning: accelerate launch was asked for several processes but started this one alone, which trains by itself: "
+        "launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu."]
+
+
+def test_ctrl_c_stops_every_process_with_one_line(data_dir, tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group: launcher and every rank."""
+    command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+               SCRIPTS / "cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--num_epochs", "50"]
+    job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "metrics.jsonl").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGINT)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode != 0
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.count("Stopped by Ctrl-C.") == 1, stderr

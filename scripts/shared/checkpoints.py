@@ -8,69 +8,72 @@ another batch size) knows which batch comes next, or says that it cannot know.
 
 import dataclasses
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from shared import metrics, outputs
+from shared import outputs
 from shared.runtime import UserError, first_line
 
 CHECKPOINT_FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"
 PREFIX = "step_"
+KEEP_UNDER_RESTARTS = 2  # the newest to resume from, and one before it in case the newest is damaged
 
 
 @dataclasses.dataclass
 class Position:
-    """Where training (re)starts: the epoch to run, and how far into it the checkpoint got."""
+    """Where training (re)starts: the epoch to run, how far into it the checkpoint got, and what the
+    epoch had summed so far. A new run starts at Position(): epoch 1, nothing done."""
 
     epoch: int = 1
     batches_done: int = 0  # batches each process has already trained in this epoch
     global_step: int = 0  # optimizer steps taken so far
     epoch_totals: tuple = (0.0, 0.0)  # loss x samples and samples of the epoch so far, all processes
     epoch_seconds: float = 0.0
+    elapsed_s: float = 0.0  # since the run first started
 
 
 class Checkpointer:
-    """Saves on the schedule of --checkpointing_steps and resumes from --resume_from_checkpoint."""
+    """Saves the full training state on the schedule of --checkpointing_steps, and resumes it."""
 
-    def __init__(self, args, accelerator, output_dir, metrics_log, batch_size):
+    def __init__(self, args, accelerator, output_dir, batch_size):
         self.args = args
-        self.batch_size = batch_size  # per process
         self.accelerator = accelerator
-        self.folder = Path(output_dir) / CHECKPOINT_FOLDER
-        self.metrics_log = metrics_log
-        self.global_step = 0
+        self.output_dir = Path(output_dir)
+        self.folder = self.output_dir / CHECKPOINT_FOLDER
+        self.batch_size = batch_size  # per process
+        self.started = time.perf_counter()
+        self.keep = args.keep_last_checkpoints
+        if self.keep is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            self.keep = KEEP_UNDER_RESTARTS  # a launcher that restarts the run would otherwise pile them up
 
-    # -- saving ---------------------------------------------------------------------------------
-
-    def step_done(self, epoch, stats):
-        """Call after every optimizer step; saves when the step count reaches --checkpointing_steps."""
-        self.global_step += 1
+    def due(self, step):
+        """Whether --checkpointing_steps N asks for a save after this optimizer step."""
         every = self.args.checkpointing_steps
-        if isinstance(every, int) and self.global_step % every == 0:
-            totals, seconds = stats.snapshot()
-            self.save(Position(epoch, stats.batches, self.global_step, totals, seconds))
+        return isinstance(every, int) and step % every == 0
 
-    def epoch_done(self, epoch):
-        """Call after an epoch's metrics are written; saves when --checkpointing_steps is 'epoch'."""
-        if self.args.checkpointing_steps == "epoch":
-            self.save(Position(epoch + 1, 0, self.global_step))
-
-    def save(self, position):
-        name = f"{PREFIX}{position.global_step:08d}"
-        final, partial = self.folder / name, self.folder / f".tmp_{name}"
+    def save(self, epoch, step, stats=None):
+        """Save everything a resume needs: accelerator.save_state (model, optimizer, scheduler, every
+        process's RNG state) and where the run stands. `stats` (metrics.EpochStats) marks a save inside
+        the epoch: how many batches it had trained and its loss sums so far (one all-reduce); without
+        it the save is at the start of `epoch`. Returns the checkpoint's folder."""
+        position = Position(epoch, 0, step, elapsed_s=self.elapsed())
+        if stats is not None:
+            position.batches_done = stats.batches
+            position.epoch_totals, position.epoch_seconds = stats.snapshot()
+        final, partial = self.folder / f"{PREFIX}{step:08d}", self.folder / f".tmp_{PREFIX}{step:08d}"
         if self.accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
         self.accelerator.wait_for_everyone()
-        # Model, optimizer, scheduler and step from the main process; each process's RNG state.
         self.accelerator.save_state(partial)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             state = dataclasses.asdict(position)
             state.update(
-                elapsed_s=self.metrics_log.elapsed(),
                 world_size=self.accelerator.num_processes,
                 batch_size=self.batch_size,
                 samples_done=position.batches_done * self.accelerator.num_processes * self.batch_size,
@@ -80,44 +83,48 @@ class Checkpointer:
             if final.exists():  # the same step saved before, by a run this one resumed from
                 shutil.rmtree(final)
             partial.rename(final)
-            self.prune()
+            if self.keep:
+                for old in complete_checkpoints(self.folder)[:-self.keep]:
+                    shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
+        return final
 
-    def prune(self):
-        keep = self.args.keep_last_checkpoints
-        if keep:
-            for old in complete_checkpoints(self.folder)[:-keep]:
-                shutil.rmtree(old)
-
-    # -- resuming -------------------------------------------------------------------------------
+    def elapsed(self):
+        return time.perf_counter() - self.started
 
     def resume(self):
-        """Load the state named by --resume_from_checkpoint and say where to continue."""
+        """Load the state named by --resume_from_checkpoint on every process; where to continue.
+
+        `latest` in an --output_dir with no checkpoint yet starts a new run (a requeued job's first
+        start); a run that holds epochs but no checkpoint, or that already finished, stops with a sentence."""
         spec = self.args.resume_from_checkpoint
-        if not spec:
-            return Position()
-        path = self._resolve(spec)
+        path = latest_checkpoint(self.folder) if spec == "latest" else Path(spec)
+        finished = outputs.completed_epochs(self.output_dir)
         if path is None:
-            if self.metrics_log.path.exists():  # never restart over the epochs of a run without checkpoints
+            if finished:  # never train again over the epochs of a run that saved no checkpoint
                 raise UserError(
-                    f"{self.metrics_log.path.parent} holds a run but no checkpoint to resume: choose another "
+                    f"{self.output_dir} holds a run but no checkpoint to resume: choose another "
                     "--output_dir, or pass --overwrite_output_dir instead of --resume_from_checkpoint."
                 )
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
         state = read_state(path)
-        finished = max(state["epoch"] - 1, self.metrics_log.completed_epochs())
+        finished = max(state["epoch"] - 1, finished)
         if finished >= self.args.num_epochs:
             raise UserError(
-                f"The run in {self.metrics_log.path.parent} already finished {finished} epochs: pass a larger "
+                f"The run in {self.output_dir} already finished {finished} epochs: pass a larger "
                 "--num_epochs to train further, or start a new run in another --output_dir."
             )
         batches_done = self._batches_to_skip(path, state)
-        self._load_state(path)
-        self.global_step = state["global_step"]
-        self.metrics_log.resume(completed_epochs=state["epoch"] - 1, elapsed_s=state["elapsed_s"])
-        self.accelerator.print(f"Resumed from {path}: epoch {state['epoch']}, {batches_done} batches in, step {self.global_step}.")
-        return Position(state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]), state["epoch_seconds"])
+        load_state(self.accelerator, path)
+        self.started = time.perf_counter() - state["elapsed_s"]
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.accelerator.print(
+            (f"Restart {restart} after a lost process: r" if restart else "R")
+            + f"esumed from {path}: epoch {state['epoch']}, {batches_done} batches in, step {state['global_step']}."
+        )
+        return Position(state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]),
+                        state["epoch_seconds"], state["elapsed_s"])
 
     def _batches_to_skip(self, path, state):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
@@ -133,38 +140,37 @@ class Checkpointer:
             )
         return state["samples_done"] // global_batch
 
-    def evaluate_only(self, model, test_loader, loss_fn, num_classes):
-        """--eval_only: evaluate the weights of --resume_from_checkpoint over all processes, print and save it."""
-        source = self.load_for_eval(model)
-        result = metrics.evaluate(model, test_loader, self.accelerator, loss_fn, num_classes)
-        outputs.report_eval(result, source, self.accelerator, self.metrics_log.path.parent)
-        self.accelerator.end_training()  # leaves the process group before the interpreter exits
 
-    def load_for_eval(self, model):
-        """--eval_only: the weights of a checkpoint folder (or 'latest') or of a model.safetensors file."""
-        path = self._resolve(self.args.resume_from_checkpoint)
-        if path is None:
-            raise UserError(f"No checkpoint in {self.folder} to evaluate: pass a checkpoint folder or a model.safetensors file.")
-        if path.is_file():
-            try:
-                self.accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(load_file(path))
-            except Exception as error:  # safetensors and load_state_dict raise many kinds
-                raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
-        else:
-            read_state(path)
-            self._load_state(path)
-        return path
+def load_weights(spec, accelerator, model, output_dir):
+    """--eval_only: load the weights named by --resume_from_checkpoint into the prepared model; their path.
 
-    def _resolve(self, spec):
-        if not spec:
-            raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
-        return latest_checkpoint(self.folder) if spec == "latest" else Path(spec)
-
-    def _load_state(self, path):
+    A checkpoint folder, a model.safetensors file, or `latest`: the newest weights of the run in
+    output_dir, its model.safetensors when the run finished after its last checkpoint."""
+    if not spec:
+        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
+    path = Path(spec)
+    if spec == "latest":
+        candidates = [found for found in (latest_checkpoint(Path(output_dir) / CHECKPOINT_FOLDER), Path(output_dir) / outputs.MODEL_FILE)
+                      if found is not None and found.exists()]
+        if not candidates:
+            raise UserError(f"{output_dir} holds neither a checkpoint nor a {outputs.MODEL_FILE} to evaluate: pass the --output_dir of a run, or a path.")
+        path = max(candidates, key=lambda found: found.stat().st_mtime)
+    if path.is_file():
         try:
-            self.accelerator.load_state(path)
-        except Exception as error:  # torch and safetensors raise many kinds on a damaged file
-            raise UserError(f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one.") from None
+            accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(load_file(path))
+        except Exception as error:  # safetensors and load_state_dict raise many kinds
+            raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
+    else:
+        read_state(path)
+        load_state(accelerator, path)
+    return path
+
+
+def load_state(accelerator, path):
+    try:
+        accelerator.load_state(path)
+    except Exception as error:  # torch and safetensors raise many kinds on a damaged file
+        raise UserError(f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one.") from None
 
 
 def complete_checkpoints(folder):
@@ -179,6 +185,11 @@ def latest_checkpoint(folder):
 
 
 def read_state(path):
+    if path.is_file():
+        raise UserError(
+            f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
+            "or 'latest', or evaluate a model file with --eval_only."
+        )
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
     try:

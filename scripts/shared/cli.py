@@ -100,6 +100,11 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
         "--eval_only", action="store_true",
         help="only evaluate the weights of --resume_from_checkpoint (a checkpoint folder or a model.safetensors)",
     )
+    parser.add_argument(
+        "--ddp_timeout", type=positive_int, default=1800,
+        help="seconds a process waits for the others at a collective before it fails: how soon a run stops "
+        "when another machine or the network to it is lost (the main process's download is waited for too)",
+    )
     parser.add_argument("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
     parser.add_argument(
         "--report_to", choices=["tensorboard", "mlflow", "all"], default=None,
@@ -137,3 +142,14 @@ def batch_size_per_process(args, num_processes):
             f"{num_processes}, or --no_split_batches to give every process a batch of {args.batch_size}."
         )
     return args.batch_size // num_processes
+
+
+def check_accumulation(args, batches_per_epoch):
+    """Stop when one accumulation window would be longer than an epoch: accelerate ends the window at
+    the epoch's end and divides by the whole window, so every epoch would take one small step."""
+    if args.gradient_accumulation_steps > batches_per_epoch:
+        raise UserError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} is more than the {batches_per_epoch} batches "
+            f"each process trains in an epoch, so every epoch would take one small optimizer step: pass at most "
+            f"{batches_per_epoch}, or a smaller --batch_size."
+        )

@@ -8,21 +8,22 @@ import torch
 class EpochStats:
     """Sums the training loss and sample count of one epoch on this process, without a sync per batch.
 
-    `resumed` (a checkpoints.Position) carries over what a checkpoint had summed of its epoch so far.
+    `carried_over` (a checkpoints.Position inside its epoch) adds what a checkpoint had summed of the
+    epoch before it stopped, so a resumed epoch reports the same numbers as one that never stopped.
     """
 
-    def __init__(self, accelerator, resumed=None):
+    def __init__(self, accelerator, carried_over=None):
         self.accelerator = accelerator
         self.loss_sum = torch.zeros((), device=accelerator.device)  # sum of loss x batch size
         self.samples = 0
         self.batches = 0
         self.started = time.perf_counter()
-        if resumed is not None:
-            self.batches = resumed.batches_done
-            self.started -= resumed.epoch_seconds
+        if carried_over is not None:
+            self.batches = carried_over.batches_done
+            self.started -= carried_over.epoch_seconds
             if accelerator.is_main_process:  # the saved sums are already over all processes
-                self.loss_sum += resumed.epoch_totals[0]
-                self.samples = int(resumed.epoch_totals[1])
+                self.loss_sum += carried_over.epoch_totals[0]
+                self.samples = int(carried_over.epoch_totals[1])
 
     def add(self, loss, batch_size):
         self.loss_sum.add_(loss.detach(), alpha=batch_size)  # one small op per step, no sync with the device
@@ -34,8 +35,8 @@ class EpochStats:
         totals = torch.stack([self.loss_sum.float(), torch.tensor(float(self.samples), device=self.loss_sum.device)])
         return tuple(self.accelerator.reduce(totals, reduction="sum").tolist()), time.perf_counter() - self.started
 
-    def finish(self):
-        """Mean loss over every process's samples, and the global samples per second."""
+    def summary(self):
+        """The epoch's mean loss over every process's samples, and the global samples per second."""
         (loss_sum, samples), elapsed = self.snapshot()
         return {
             "train_loss": loss_sum / max(samples, 1),

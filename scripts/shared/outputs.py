@@ -86,30 +86,31 @@ class MetricsLog:
         record.update(
             world_size=self.accelerator.num_processes,
             mixed_precision=self.accelerator.mixed_precision,
-            elapsed_s=round(self.elapsed(), 3),
+            elapsed_s=round(time.perf_counter() - self.started, 3),
         )
         if self.accelerator.is_main_process:
             with self.path.open("a") as file:
                 file.write(json.dumps(record) + "\n")
         return record
 
-    def completed_epochs(self):
-        if not self.path.exists():
-            return 0
-        return max((json.loads(line)["epoch"] for line in self.path.read_text().splitlines()), default=0)
-
-    def elapsed(self):
-        return time.perf_counter() - self.started
-
-    def resume(self, completed_epochs, elapsed_s):
-        """Continue a resumed run: keep the epochs its checkpoint had finished, drop any later ones."""
-        self.started = time.perf_counter() - elapsed_s
+    def continue_from(self, position):
+        """A resumed run: keep the epochs the checkpoint had finished, drop any later ones, and count
+        elapsed_s on from the checkpoint's."""
+        self.started = time.perf_counter() - position.elapsed_s
         if self.accelerator.is_main_process and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["epoch"] <= completed_epochs]
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["epoch"] < position.epoch]
             partial = self.path.with_name(self.path.name + ".tmp")
             partial.write_text("".join(line + "\n" for line in kept))
             partial.replace(self.path)
         self.accelerator.wait_for_everyone()
+
+
+def completed_epochs(output_dir):
+    """The last epoch metrics.jsonl in output_dir records, 0 if none."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["epoch"] for line in path.read_text().splitlines()), default=0)
 
 
 def scalars(record):
@@ -118,7 +119,7 @@ def scalars(record):
 
 
 def report_eval(result, source, accelerator, output_dir):
-    """--eval_only: print accuracy and per-class accuracy, and save them as eval.json."""
+    """--eval_only: print the weights' accuracy and per-class accuracy, and save them as eval.json."""
     result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
     accelerator.print(
         f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "

@@ -3,14 +3,17 @@
 import functools
 import inspect
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import accelerate.optimizer
 import torch
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 
 class _SignatureCache:
@@ -69,8 +72,12 @@ def cpu_only():
     return True
 
 
-def ddp_kwargs_for_exact_resume(args):
-    """The Accelerator's kwargs_handlers: with checkpoints, DDP keeps one gradient layout all run long.
+def distributed_kwargs(args):
+    """The Accelerator's kwargs_handlers: how long a process waits for the others, and, with
+    checkpoints, DDP keeping one gradient layout all run long.
+
+    --ddp_timeout bounds every collective: a process whose peer's machine or network is gone fails
+    after that many seconds instead of waiting on (torch's default is 30 minutes).
 
     DDP reorders its gradient buckets once, after the first step, to the order backward produces
     them; a run resumed from a checkpoint takes its first step with the initial order again. At 3 or
@@ -82,9 +89,40 @@ def ddp_kwargs_for_exact_resume(args):
     per step (benchmarks/README.md), and DDP's warning at the first step that no parameter was
     unused, which scripts/launch.py hides.
     """
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))]
     if args.checkpointing_steps or args.resume_from_checkpoint:
-        return [DistributedDataParallelKwargs(find_unused_parameters=True)]
-    return []
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    return handlers
+
+
+class Preempted(Exception):
+    """The run saved a checkpoint and stops because a process was told the job will be killed."""
+
+
+class Preemption:
+    """Save, then stop, when a cluster warns that the job is about to be killed.
+
+    With checkpointing on, SIGTERM (what Kubernetes sends, and what torchrun passes on to every
+    training process when it gets one) and SIGUSR1 (SLURM's --signal) mark the process that receives
+    them. Every CHECK_EVERY optimizer steps all processes learn in one all-reduce (accelerate's
+    set_trigger and check_trigger) whether any was marked, so they stop after the same step: a
+    signal to one process or to the launcher stops the run within CHECK_EVERY steps. A check every
+    step would cost cpu_gloo.py's 2-process step a few per cent; every 10, a tenth of that
+    (benchmarks/README.md). Without checkpointing the signals keep their default: the process ends.
+    """
+
+    CHECK_EVERY = 10
+
+    def __init__(self, accelerator, args):
+        self.accelerator = accelerator
+        self.enabled = bool(args.checkpointing_steps)
+        if self.enabled:
+            for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
+
+    def stop_agreed(self, step):
+        """After this optimizer step, whether every process stops (a collective every CHECK_EVERY steps)."""
+        return self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
 
 
 def first_line(error):
@@ -95,13 +133,15 @@ def first_line(error):
 
 def run_main(main):
     """Run a script's main(); a UserError ends the process with its sentence and exit code 1, Ctrl-C
-    with one line and exit code 130, and either removes the empty folders the run had created."""
+    with one line and exit code 130, and either removes the empty folders the run had created.
+    SHOW_TRACEBACK=1 in the environment adds the full traceback to a sentence, for bug reports."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
         main()
     except UserError as error:
         remove_empty_folders_left()
+        print_traceback_if_asked()
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
@@ -112,11 +152,52 @@ def run_main(main):
             time.sleep(3)
             print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Preempted as stopped:
+        if rank == 0:
+            print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            leave_process_group_together()
+        sys.exit(PREEMPTED_EXIT_CODE)
+    except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
+        if not (torch.distributed.is_initialized() and lost_a_peer(error)):
+            raise
+        # Another process of the run, or its network, is gone (killed, out of memory, a machine
+        # lost): the launcher says which process ended, and restarts the run if asked to. The
+        # survivors leave without a traceback each; one that waited --ddp_timeout in vain says so.
+        # They wait a moment first: torchrun names the first process it sees end (to the second),
+        # which must be the one that was lost, not a survivor.
+        print_traceback_if_asked()
+        if "imed out" in str(error):
+            print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
+                  file=sys.stderr, flush=True)
+        time.sleep(2)
+        exit_now(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the run at once: one line, not a traceback each
         remove_empty_folders_left()
         if rank == 0:
             print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
-        os._exit(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
+        exit_now(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
+
+
+def print_traceback_if_asked():
+    if os.environ.get("SHOW_TRACEBACK") == "1":
+        traceback.print_exc()
+
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
+
+
+def exit_now(code):
+    """Exit without tearing down the process group, which could wait on processes that are gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def lost_a_peer(error):
+    """Whether a collective failed because another process or its network is gone."""
+    text = str(error)
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out"))
 
 
 def warn_if_launched_alone():

@@ -1,0 +1,108 @@
+"""What the scripts' safety features cost per optimizer step: the fixed gradient layout that makes a
+resume bitwise (DDP with find_unused_parameters=True, on in runs with checkpoints) and the check for
+a signal to save and stop (one all-reduce of one number, accelerate's check_trigger).
+
+    python benchmarks/step_cost.py                       # 2 and 4 processes, cpu_gloo.py's net
+    python benchmarks/step_cost.py --processes 2 --blocks 40 --script mnist_conv.py
+
+On cpu_gloo.py's linear net any per-step cost shows most: its step is mostly gloo's all-reduce.
+In each process the loops take turns, in blocks of --steps steps whose order rotates, on batches of
+random digits already in memory (the script's share per process of its default batch); a figure is
+rank 0's wall-clock time per step, the median over blocks, and a cost the median over blocks of the
+difference to the plain DDP step of the same turn:
+- DDP step: the script's model in DDP (default buckets), its loss and optimizer, forward, backward, step;
+- + fixed gradient layout: the same on DDP(find_unused_parameters=True);
+- + stop check every step: the DDP step and accelerator.check_trigger() after it;
+- + stop check every 10 steps: as the scripts check (runtime.Preemption.CHECK_EVERY).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
+from shared.runtime import Preemption  # noqa: E402  (baselines put the scripts' shared/ on sys.path)
+
+LOOPS = ("DDP step", "+ fixed gradient layout", "+ stop check every step", f"+ stop check every {Preemption.CHECK_EVERY} steps")
+
+
+def step_costs(rank, world_size, script, steps, blocks, batch_size):
+    """Rank 0's seconds per step of every loop, one list per loop with one figure per block."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)  # joins the group that spawn's environment describes
+    assert accelerator.num_processes == world_size, "every spawned process joined one group"
+    torch.manual_seed(0)
+    inputs, labels = torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    loss_function = baselines.script_module(script).loss_function
+    models = {}
+    for find_unused in (False, True):
+        torch.manual_seed(0)
+        model = DDP(baselines.make_model(script), find_unused_parameters=find_unused)
+        models[find_unused] = (model, baselines.make_optimizer(script, model, 0.01))
+
+    def loop(find_unused, check_every):
+        model, optimizer = models[find_unused]
+        for step in range(1, steps + 1):
+            optimizer.zero_grad()
+            loss_function(model(inputs), labels).backward()
+            optimizer.step()
+            if check_every and step % check_every == 0:
+                accelerator.check_trigger()
+
+    loops = dict(zip(LOOPS, [(False, 0), (True, 0), (False, 1), (False, Preemption.CHECK_EVERY)]))
+    for settings in loops.values():  # warm-up: the first steps allocate and DDP builds its buckets
+        loop(*settings)
+    seconds = {name: [] for name in loops}
+    for block in range(blocks):
+        for name in baselines.rotated(list(loops), block):
+            accelerator.wait_for_everyone()
+            started = time.perf_counter()
+            loop(*loops[name])
+            accelerator.wait_for_everyone()
+            seconds[name].append((time.perf_counter() - started) / steps)
+    return seconds
+
+
+def table(results):
+    lines = ["| processes | " + " | ".join(f"{name}: us per step" for name in LOOPS) + " |", "|---" * (1 + len(LOOPS)) + "|"]
+    for processes, seconds in results.items():
+        base = seconds[LOOPS[0]]
+        cells = [f"{statistics.median(base) * 1e6:.0f}"]
+        for name in LOOPS[1:]:
+            extra = sorted((other - plain) * 1e6 for other, plain in zip(seconds[name], base))
+            cells.append(f"{statistics.median(seconds[name]) * 1e6:.0f} (+{statistics.median(extra):.0f}; "
+                         f"middle half {extra[len(extra) // 4]:+.0f} to {extra[3 * len(extra) // 4]:+.0f})")
+        lines.append(f"| {processes} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--script", default="cpu_gloo.py", choices=["cpu_gloo.py", "seq_net.py", "mnist_conv.py"])
+    parser.add_argument("--steps", type=int, default=100, help="steps in one block of one loop")
+    parser.add_argument("--blocks", type=int, default=20, help="blocks of every loop, in rotating order")
+    args = parser.parse_args()
+    batch_size = baselines.script_defaults(args.script).batch_size
+    results = {}
+    for processes in args.processes:
+        threads = baselines.threads_for(processes)
+        results[processes] = baselines.spawn(step_costs, processes, threads, args.script, args.steps, args.blocks,
+                                             batch_size // processes, own_sessions=True)
+    print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU only; "
+          f"{time.strftime('%Y-%m-%d')}; {args.script}'s net, batch {batch_size} split across the processes; "
+          f"{args.blocks} blocks of {args.steps} steps.\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

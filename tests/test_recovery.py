@@ -1,0 +1,269 @@
+"""Runs that recover by themselves: a signal to stop saves a checkpoint first, restarts after a lost
+process finish the run, two hosts on a real network stop (never hang) when the link goes, and the
+CPU profile puts any Accelerate script into one gloo group. Every resumed run ends bitwise equal to
+one that never stopped."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
+from datagen import write_small_mnist
+from shared.checkpoints import complete_checkpoints, latest_checkpoint
+from test_features import assert_same_records, assert_same_weights, free_port, weights
+
+PROBES = SCRIPTS.parent / "tests" / "probes"
+# 512 samples in steps of 8: 64 steps an epoch, long enough to be interrupted in the middle.
+FLAGS = ["--batch_size", "8", "--num_epochs", "8", "--log_interval", "1000"]
+GRACE_S = 30  # torchrun's wait between passing SIGTERM on and killing
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    write_small_mnist(root, "MNIST", num_train=512, num_test=64)
+    return root
+
+
+def launch(*args, num_processes=2, launcher_flags=()):
+    """python scripts/launch.py --config_file cpu.yaml --num_processes N [launcher flags] cpu_gloo.py ..."""
+    return [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes,
+            *launcher_flags, SCRIPTS / "cpu_gloo.py", *args]
+
+
+def start(command, cwd):
+    return subprocess.Popen([str(part) for part in command], cwd=cwd, env=script_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def training_process(job, rank):
+    """The training process of `rank` among the launcher's descendants (never the launcher itself)."""
+    for process in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if process.environ().get("RANK") == str(rank) and "cpu_gloo.py" in " ".join(process.cmdline()):
+                return process
+        except psutil.Error:
+            continue
+    pytest.fail(f"no training process of rank {rank}")
+
+
+def wait_until(condition, job, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if job.poll() is not None or time.monotonic() > deadline:
+            stdout, stderr = job.communicate()
+            pytest.fail(f"the run ended or took too long before {what}\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        time.sleep(0.05)
+
+
+def epochs_done(output_dir):
+    return lambda: (output_dir / "metrics.jsonl").exists() and len(read_metrics(output_dir)) >= 1
+
+
+def finish(job, timeout):
+    try:
+        return job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [f"{process.pid} {process.status()} {' '.join(process.cmdline())[-120:]}" for process in psutil.Process(job.pid).children(recursive=True)]
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"the run was still going {timeout} s later\n" + "\n".join(tree) + f"\n{stdout[-1500:]}\n{stderr[-3000:]}")
+
+
+# -- preemption: save, then exit --------------------------------------------------------------------
+
+@pytest.mark.parametrize("target, stop_signal", [("launcher", signal.SIGTERM), ("rank 1", signal.SIGUSR1)])
+def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, small_data, tmp_path):
+    """SIGTERM to the launcher (as `kill` on the job, or SLURM, sends it), or SLURM's SIGUSR1 to one rank:
+    every process stops after the same step, a checkpoint of it is saved, the job exits non-zero within
+    torchrun's grace period, and rank 0 says where it stopped."""
+    args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]  # no scheduled save before the end
+    reference = tmp_path / "reference"
+    run(launch("--output_dir", reference, *args), cwd=tmp_path)
+
+    stopped = tmp_path / "stopped"
+    job = start(launch("--output_dir", stopped, *args), tmp_path)
+    wait_until(epochs_done(stopped), job, "its first epoch")
+    receiver = psutil.Process(job.pid) if target == "launcher" else training_process(job, 1)
+    receiver.send_signal(stop_signal)
+    signalled_at = time.monotonic()
+    _, stderr = finish(job, GRACE_S)
+    print(f"the job exited {time.monotonic() - signalled_at:.2f} s after the signal")
+    assert job.returncode == 143, stderr
+    (line,) = [line for line in stderr.splitlines() if "Stopped by a signal to stop" in line]
+    saved = latest_checkpoint(stopped / "checkpoints")
+    assert line == f"Stopped by a signal to stop: saved {saved} after step {int(saved.name[5:])}; continue with --resume_from_checkpoint latest."
+    assert int(saved.name[5:]) % 10 == 0 and not (stopped / "model.safetensors").exists()
+    assert "Traceback" not in stderr
+
+    run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert_same_weights(weights(reference), weights(stopped))
+    assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
+
+
+def test_one_process_saves_on_sigterm_too(small_data, tmp_path):
+    args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "epoch"]
+    stopped = tmp_path / "stopped"
+    job = start(python_command("cpu_gloo.py", "--output_dir", stopped, *args), tmp_path)
+    wait_until(epochs_done(stopped), job, "its first epoch")
+    job.send_signal(signal.SIGTERM)
+    _, stderr = finish(job, GRACE_S)
+    assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr
+    assert latest_checkpoint(stopped / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
+
+
+def test_without_checkpointing_a_signal_stops_the_run_at_once(small_data, tmp_path):
+    job = start(launch("--output_dir", tmp_path / "run", "--data_dir", small_data, *FLAGS), tmp_path)
+    wait_until(epochs_done(tmp_path / "run"), job, "its first epoch")
+    os.kill(job.pid, signal.SIGTERM)
+    finish(job, GRACE_S)
+    assert job.returncode != 0 and not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- elastic restarts ---------------------------------------------------------------------------------
+
+def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_path):
+    """--max_restarts: a rank SIGKILLed at two moments of one run, and the job still ends with exit 0
+    and the weights of a run that never stopped; one line per restart, no traceback."""
+    args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20", "--resume_from_checkpoint", "latest"]
+    reference = tmp_path / "reference"
+    run(launch("--output_dir", reference, *args), cwd=tmp_path)
+
+    restarted = tmp_path / "restarted"
+    job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"]), tmp_path)
+    for kill_after_step in (60, 260):  # in epoch 1, then in epoch 5 after the first restart resumed
+        wait_until(lambda: (newest := latest_checkpoint(restarted / "checkpoints")) and int(newest.name[5:]) >= kill_after_step,
+                   job, f"step {kill_after_step}")
+        victim = training_process(job, random.randrange(2))
+        victim.kill()
+    stdout, stderr = finish(job, 240)
+    assert job.returncode == 0, stderr[-3000:]
+    # (A progress bar cut short by the kill may stand before a line on the same terminal row.)
+    restarts = [line[line.index("Restarting the run"):] for line in stderr.splitlines() if "Restarting the run" in line]
+    assert [line.split(":")[0] for line in restarts] == ["Restarting the run (1 of 3 restarts)", "Restarting the run (2 of 3 restarts)"], stderr[-5000:]
+    assert all("was killed by signal 9; it resumes from its newest checkpoint." in line for line in restarts), stderr[-5000:]
+    assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert len(complete_checkpoints(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
+    assert_same_weights(weights(reference), weights(restarted))
+    assert_same_records(read_metrics(reference), read_metrics(restarted), rel=1e-6)
+
+
+# -- the CPU profile, for any Accelerate script --------------------------------------------------------
+
+def test_the_cpu_profile_puts_a_plain_accelerator_into_one_group(tmp_path):
+    """A script that is not ours and builds Accelerator() as accelerate's examples do: through
+    scripts/launch.py, cpu.yaml's 4 processes form one gloo group; through plain accelerate launch
+    each process trains alone (the trap the README warns of)."""
+    quiet = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", PROBES / "plain_accelerator.py", tmp_path / "quiet"]
+    plain = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", PROBES / "plain_accelerator.py", tmp_path / "plain"]
+    for command, folder in ((quiet, "quiet"), (plain, "plain")):
+        (tmp_path / folder).mkdir()
+        run(command, cwd=tmp_path)
+    reports = {folder: [json.loads(path.read_text()) for path in sorted((tmp_path / folder).glob("*.json"))] for folder in ("quiet", "plain")}
+    assert [(r["rank"], r["num_processes"], r["distributed_type"]) for r in reports["quiet"]] == [(rank, 4, "MULTI_CPU") for rank in range(4)]
+    assert [(r["num_processes"], r["distributed_type"]) for r in reports["plain"]] == [(1, "NO")] * 4
+
+
+# -- two hosts on a real network ----------------------------------------------------------------------
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, each a host with an address of its own; removed afterwards."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's ip command")
+    tag = uuid.uuid4().hex[:6]
+    hosts = [(f"ddp{tag}a", f"ve{tag}a", "10.213.0.1"), (f"ddp{tag}b", f"ve{tag}b", "10.213.0.2")]
+
+    def ip(*args, namespace=None):
+        prefix = ["ip", "netns", "exec", namespace] if namespace else []
+        return subprocess.run([*prefix, "ip", *args], capture_output=True, text=True)
+
+    created = ip("netns", "add", hosts[0][0])
+    if created.returncode:
+        pytest.skip(f"network namespaces are not permitted here ({created.stderr.strip()})")
+    try:
+        ip("netns", "add", hosts[1][0])
+        ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for namespace, device, address in hosts:
+            ip("link", "set", device, "netns", namespace)
+            ip("addr", "add", f"{address}/24", "dev", device, namespace=namespace)
+            ip("link", "set", device, "up", namespace=namespace)
+            ip("link", "set", "lo", "up", namespace=namespace)
+        assert ip("-4", "addr", "show", hosts[1][1], namespace=hosts[1][0]).stdout.count(hosts[1][2]) == 1
+        yield hosts, ip
+    finally:
+        for namespace, _, _ in hosts:
+            ip("netns", "del", namespace)
+
+
+def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch")):
+    """One machine's launch, inside its namespace: rank 0's host is the rendezvous; gloo uses the veth."""
+    namespace, device, _ = hosts[machine_rank]
+    return ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, *launcher,
+            "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2", "--machine_rank", machine_rank,
+            "--main_process_ip", hosts[0][2], "--main_process_port", port, SCRIPTS / "cpu_gloo.py", *args]
+
+
+def start_machines(hosts, cwd, *args, **launch):
+    port = free_port()
+    return [start(machine_command(hosts, rank, port, *args, **launch), cwd) for rank in (0, 1)]
+
+
+def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, small_data, tmp_path):
+    hosts, ip = two_hosts
+    args = ["--data_dir", small_data, *FLAGS]
+    single = tmp_path / "single"
+    run(launch("--output_dir", single, *args), cwd=tmp_path)
+
+    together = tmp_path / "together"
+    machines = start_machines(hosts, tmp_path, "--output_dir", together, *args)
+    for machine in machines:
+        _, stderr = finish(machine, 240)
+        assert machine.returncode == 0, stderr[-3000:]
+    assert {r["world_size"] for r in read_metrics(together)} == {2}
+    assert_same_weights(weights(single), weights(together))
+
+    # The link goes down mid-run: both hosts stop within --ddp_timeout (and the launcher's own
+    # shutdown), never hang; with the link back, the run resumes from its newest checkpoint.
+    cut = tmp_path / "cut"
+    timeout_s = 10
+    cut_args = [*args, "--checkpointing_steps", "20", "--ddp_timeout", str(timeout_s)]
+    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args)
+    wait_until(lambda: latest_checkpoint(cut / "checkpoints") is not None, machines[0], "its first checkpoint")
+    ip("link", "set", hosts[0][1], "down", namespace=hosts[0][0])
+    cut_at = time.monotonic()
+    for machine in machines:
+        finish(machine, timeout_s + 60)
+        assert machine.returncode != 0
+    print(f"both hosts stopped {time.monotonic() - cut_at:.1f} s after the link went down")
+    ip("link", "set", hosts[0][1], "up", namespace=hosts[0][0])
+    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, "--resume_from_checkpoint", "latest")
+    for machine in machines:
+        _, stderr = finish(machine, 240)
+        assert machine.returncode == 0, stderr[-3000:]
+    assert_same_weights(weights(single), weights(cut))
+
+    # --max_restarts across the two hosts: a process on the second host is killed, both hosts
+    # restart their processes, which resume from the newest checkpoint and finish the run.
+    restarted = tmp_path / "restarted"
+    machines = start_machines(hosts, tmp_path, "--output_dir", restarted, *args, "--checkpointing_steps", "20",
+                              "--resume_from_checkpoint", "latest", launcher=(SCRIPTS / "launch.py", "--max_restarts", "2"))
+    wait_until(lambda: (newest := latest_checkpoint(restarted / "checkpoints")) and int(newest.name[5:]) >= 60, machines[1], "step 60")
+    training_process(machines[1], 1).kill()  # global rank 1: the second host's process
+    outputs = [finish(machine, 240) for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    # The machine whose process was lost counts a restart; the other rejoins it (and says so).
+    assert "Restart 1 after a lost process: resumed from" in outputs[1][0], outputs[1][0][-2000:]
+    assert "Restarting this machine's processes to rejoin" in outputs[0][1], outputs[0][1][-2000:]
+    assert not any("Traceback" in stderr for _, stderr in outputs), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert_same_weights(weights(single), weights(restarted))
