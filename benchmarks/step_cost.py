@@ -1,5 +1,5 @@
 """What the scripts' safety features cost per optimizer step: the fixed gradient layout that makes a
-resume bitwise (DDP with find_unused_parameters=True, on in runs with checkpoints) and the check for
+resume bitwise (DDP with find_unused_parameters=True, on in runs of 3+ processes with checkpoints) and the check for
 a signal to save and stop (one all-reduce of one number, accelerate's check_trigger).
 
     python benchmarks/step_cost.py                       # 2 and 4 processes, cpu_gloo.py's net

@@ -61,7 +61,7 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # --ddp_timeout; with checkpoints, a fixed gradient layout, so a resume ends bitwise as if never stopped.
+        # --ddp_timeout; with checkpoints at 3+ processes, a fixed gradient layout: a resume ends bitwise as if never stopped.
         kwargs_handlers=runtime.distributed_kwargs(args),
         log_with=outputs.trackers(args),
         project_config=outputs.project_config(args),

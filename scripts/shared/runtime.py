@@ -84,13 +84,15 @@ def distributed_kwargs(args):
     more processes gloo's ring all-reduce adds the processes' values in an order that depends on a
     value's place in the bucket, so that step rounds differently and the resumed run drifts away
     (mnist_conv at 4 processes: 1e-7 after one epoch, 3e-3 after five). DDP never reorders when
-    find_unused_parameters is on, so runs that save or resume checkpoints turn it on: a resume then
-    ends bitwise equal to a run that never stopped. Its price is one walk over the autograd graph
-    per step (benchmarks/README.md), and DDP's warning at the first step that no parameter was
-    unused, which scripts/launch.py hides.
+    find_unused_parameters is on, so runs of 3 or more processes that save or resume checkpoints
+    turn it on: a resume then ends bitwise equal to a run that never stopped. (At 2 processes each
+    sum has two terms, whose order cannot change the result.) Its price is one more all-reduce per
+    step, of DDP's map of used parameters (measured: benchmarks/README.md), and DDP's warning at the
+    first step that no parameter was unused, which scripts/launch.py hides.
     """
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))]
-    if args.checkpointing_steps or args.resume_from_checkpoint:
+    several_sums = int(os.environ.get("WORLD_SIZE", "1")) >= 3  # WORLD_SIZE: set by every launcher
+    if several_sums and (args.checkpointing_steps or args.resume_from_checkpoint):
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     return handlers
 
@@ -107,8 +109,9 @@ class Preemption:
     them. Every CHECK_EVERY optimizer steps all processes learn in one all-reduce (accelerate's
     set_trigger and check_trigger) whether any was marked, so they stop after the same step: a
     signal to one process or to the launcher stops the run within CHECK_EVERY steps. A check every
-    step would cost cpu_gloo.py's 2-process step a few per cent; every 10, a tenth of that
-    (benchmarks/README.md). Without checkpointing the signals keep their default: the process ends.
+    step costs as much as a second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps
+    it is within noise (benchmarks/README.md). Without checkpointing the signals keep their
+    default: the process ends.
     """
 
     CHECK_EVERY = 10
