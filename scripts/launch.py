@@ -83,6 +83,12 @@ class RestartLine(logging.Handler):
         self.failed = None
 
     def emit(self, record):
+        try:
+            self.say(record)
+        except Exception:  # noqa: BLE001  a log handler must never stop the launcher
+            self.handleError(record)
+
+    def say(self, record):
         message = record.getMessage()
         if message.startswith("failed (exitcode"):
             exitcode, local_rank = record.args[0], record.args[1]
@@ -110,6 +116,24 @@ def how_it_ended(exitcode):
     return f"exited with code {exitcode}"
 
 
+def use_a_fresh_rendezvous_for_every_restart(args, setting):
+    """The profiles' static rendezvous and torchrun's shared c10d store both keep one store for the
+    whole job, where a restarted process reads the gloo address of a process that died and fails to
+    connect (torch 2.15). Here every restart gets a store of its own."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if (setting("num_machines") or 1) == 1:
+        args.standalone = True  # torchrun's own c10d rendezvous on this machine
+        return
+    # torchrun's c10d rendezvous at --main_process_ip:--main_process_port, not its static one. Machine
+    # 0 hosts its store and is known at --main_process_ip (torchrun would guess both from the host
+    # name, which may resolve to another of its addresses).
+    args.rdzv_backend = "c10d"
+    is_host = setting("machine_rank") == 0
+    args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(is_host)}"]))
+    if is_host:
+        args.local_addr = setting("main_process_ip")
+
+
 def main():
     args = launch_command_parser().parse_args()
     if not (args.module or args.no_python or Path(args.training_script).is_file()):
@@ -125,20 +149,7 @@ def main():
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if args.max_restarts:
-        # A fresh rendezvous store for every restart. The profiles' static rendezvous and torchrun's
-        # shared c10d store both keep one store for the whole job, where a restarted process reads
-        # the gloo address of a process that died and fails to connect (torch 2.15).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        if (setting("num_machines") or 1) == 1:
-            args.standalone = True  # torchrun's own c10d rendezvous on this machine
-        else:  # torchrun's c10d rendezvous at --main_process_ip:--main_process_port, not its static one
-            args.rdzv_backend = "c10d"
-            # Machine 0 hosts its store, and is known at --main_process_ip (torchrun would guess
-            # both from the host name, which may resolve to another of its addresses).
-            is_host = setting("machine_rank") == 0
-            args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(is_host)}"]))
-            if is_host:
-                args.local_addr = setting("main_process_ip")
+        use_a_fresh_rendezvous_for_every_restart(args, setting)
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
