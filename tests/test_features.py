@@ -403,7 +403,7 @@ def test_slurm_early_warning_saves_requeues_and_the_requeued_job_resumes(tmp_pat
     """SLURM's SIGUSR1 to the batch shell: the launches save a checkpoint inside the epoch and stop, the
     job is requeued, and the requeued job (same job id) ends bitwise where an uninterrupted one ends."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
-    flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
+    flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "3", "--log_interval", "1000"]
     batch_script = ["bash", REPO / "slurm" / "train_2node.sbatch", *flags]
     run(batch_script, cwd=tmp_path, env=slurm_stand_ins(tmp_path, 1111, "cpu_gloo.py"))  # never interrupted
 
