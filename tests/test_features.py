@@ -424,5 +424,7 @@ def test_slurm_early_warning_saves_requeues_and_the_requeued_job_resumes(tmp_pat
     assert not (output_dir / "model.safetensors").exists()
 
     run(batch_script, cwd=tmp_path, env=env)  # the requeued job
+    for job_output in (tmp_path / "runs" / "slurm-1111", output_dir):
+        assert {record["world_size"] for record in read_metrics(job_output)} == {2}
     assert_same_weights(weights(tmp_path / "runs" / "slurm-1111"), weights(output_dir))
     assert_same_records(read_metrics(tmp_path / "runs" / "slurm-1111"), read_metrics(output_dir), rel=1e-6)

@@ -65,6 +65,11 @@ def wait_until(condition, job, what, timeout=120):
         time.sleep(0.05)
 
 
+def assert_world_size(output_dir, world_size=2):
+    """Every epoch of the run was trained by one group of `world_size` processes (not each alone)."""
+    assert {record["world_size"] for record in read_metrics(output_dir)} == {world_size}
+
+
 def epochs_done(output_dir):
     return lambda: (output_dir / "metrics.jsonl").exists() and len(read_metrics(output_dir)) >= 1
 
@@ -106,6 +111,8 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert "Traceback" not in stderr
 
     run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert_world_size(reference)
+    assert_world_size(stopped)
     assert_same_weights(weights(reference), weights(stopped))
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
 
@@ -154,6 +161,8 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_
     assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
     assert len(complete_checkpoints(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
+    assert_world_size(reference)
+    assert_world_size(restarted)
     assert_same_weights(weights(reference), weights(restarted))
     assert_same_records(read_metrics(reference), read_metrics(restarted), rel=1e-6)
 
@@ -230,7 +239,8 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     for machine in machines:
         _, stderr = finish(machine, 240)
         assert machine.returncode == 0, stderr[-3000:]
-    assert {r["world_size"] for r in read_metrics(together)} == {2}
+    assert_world_size(single)
+    assert_world_size(together)
     assert_same_weights(weights(single), weights(together))
 
     # The link goes down mid-run: both hosts stop within --ddp_timeout (and the launcher's own
@@ -251,6 +261,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     for machine in machines:
         _, stderr = finish(machine, 240)
         assert machine.returncode == 0, stderr[-3000:]
+    assert_world_size(cut)
     assert_same_weights(weights(single), weights(cut))
 
     # --max_restarts across the two hosts: a process on the second host is killed, both hosts
@@ -266,4 +277,5 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     assert "Restart 1 after a lost process: resumed from" in outputs[1][0], outputs[1][0][-2000:]
     assert "Restarting this machine's processes to rejoin" in outputs[0][1], outputs[0][1][-2000:]
     assert not any("Traceback" in stderr for _, stderr in outputs), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert_world_size(restarted)
     assert_same_weights(weights(single), weights(restarted))
