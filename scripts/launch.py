@@ -91,12 +91,14 @@ class RestartLine(logging.Handler):
     def say(self, record):
         message = record.getMessage()
         if message.startswith("failed (exitcode"):
-            exitcode, local_rank = record.args[0], record.args[1]
-            self.failed = f"process {local_rank} {how_it_ended(exitcode)}"
+            if self.failed is None:  # the first to fail is the lost one; the others stopped because of it
+                exitcode, local_rank = record.args[0], record.args[1]
+                self.failed = f"process {local_rank} {how_it_ended(exitcode)}"
         elif "attempts left; will restart worker group" in message:  # a process of this machine failed
             left, total = record.args[2], record.args[3]
             print(f"Restarting the run ({total - left + 1} of {total} restarts): {self.failed or 'a process failed'}; "
                   "it resumes from its newest checkpoint.", file=sys.stderr, flush=True)
+            self.failed = None
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
             print("Restarting this machine's processes to rejoin another machine's restarted ones; "
                   "they resume from the newest checkpoint.", file=sys.stderr, flush=True)

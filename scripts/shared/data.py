@@ -116,7 +116,7 @@ class InMemoryLoader(DataLoaderStateMixin):
 
     Why not a torch DataLoader over a Dataset whose __getitems__ slices a whole batch from the tensors,
     which accelerate would shard, skip and resume itself? Measured at commit 8232cea (benchmarks/README.md,
-    "The in-memory loader"): it trains to the same weights but at 0.87 of this loader's samples/s for
+    findings): it trains to the same weights but at 0.87 of this loader's samples/s for
     cpu_gloo.py on one process and 0.84 on two (medians of 5 rounds; mnist_conv.py 0.96, within noise):
     per batch its sampler, batch sampler and accelerate's prefetching wrapper cost more than the
     linear net's whole step."""

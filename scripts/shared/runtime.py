@@ -74,7 +74,7 @@ def cpu_only():
 
 def distributed_kwargs(args):
     """The Accelerator's kwargs_handlers: how long a process waits for the others, and, with
-    checkpoints, DDP keeping one gradient layout all run long.
+    checkpoints at 3 or more processes, DDP keeping one gradient layout all run long.
 
     --ddp_timeout bounds every collective: a process whose peer's machine or network is gone fails
     after that many seconds instead of waiting on (torch's default is 30 minutes).
