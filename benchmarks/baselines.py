@@ -18,7 +18,6 @@ import functools
 import importlib.util
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,6 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # shared/, as the scripts import it
 from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
 
 

@@ -58,7 +58,6 @@ def main(argv=None):
         project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
-    runtime.cache_accelerate_step_lookups()  # accelerate 1.15 repeats two fixed look-ups at every step
     output_dir = outputs.prepare_output_dir(args, accelerator)
 
     # --batch_size samples per step, split across the processes: any world size trains the same model.

@@ -28,6 +28,8 @@ from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from shared.runtime import UserError, print_traceback_if_asked
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -63,7 +65,6 @@ def check_script_flags(script, script_args):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the scripts train only under `if __name__ == "__main__"`
-    from shared.runtime import UserError, print_traceback_if_asked  # the scripts' shared/, which loading the script put on sys.path
 
     program, sys.argv[0] = sys.argv[0], str(path)  # the script's own name in its messages
     try:

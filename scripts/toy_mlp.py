@@ -65,7 +65,6 @@ def main(argv=None):
         project_config=outputs.project_config(args),
     )
     set_seed(args.seed)
-    runtime.cache_accelerate_step_lookups()  # accelerate 1.15 repeats two fixed look-ups at every step
     data.check_world_size(len(Y_TRAIN), accelerator, "toy_mlp's training set")
     output_dir = outputs.prepare_output_dir(args, accelerator)
 

@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 CONFIGS = REPO / "accelerate_configs"
 TOOLS = REPO / "tools"
-sys.path.insert(0, str(SCRIPTS))  # shared/, as the scripts import it
 sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run, script_env
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -90,10 +90,10 @@ def test_accelerate_launch_with_plain_flags(tmp_path):
 
 
 def copy_as_template(project):
-    """The README's recipe: the script and the shared/ folder beside it, copied side by side."""
+    """The README's recipe: the script and the shared/ folder, copied side by side."""
     project.mkdir()
     shutil.copy(SCRIPTS / "mnist_conv.py", project / "train.py")
-    shutil.copytree(SCRIPTS / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
@@ -112,7 +112,8 @@ def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
     """Copied into a folder of a checkout, as a user starting a project there would, the copy imports the
     shared/ beside it: an edit to the copy's shared/ shows up, and the checkout's does not."""
     checkout = tmp_path / "checkout"
-    shutil.copytree(SCRIPTS, checkout / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("scripts", "shared"):
+        shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
     project = checkout / "my_project"
     copy_as_template(project)
     metrics_file = project / "shared" / "metrics.py"
@@ -120,6 +121,15 @@ def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
     result = run([sys.executable, project / "train.py", "--data_dir", data_dir, "--output_dir", tmp_path / "out", "--num_epochs", "1"],
                  cwd=checkout)
     assert "my copy: epoch 1/1" in result.stdout
+
+
+def test_the_scripts_import_the_top_level_shared_that_the_set_up_installed(tmp_path):
+    """requirements.txt installs this repository (`-e .`), so the top-level shared/ imports from any
+    folder, and no script, tool or benchmark puts anything on sys.path to find it."""
+    result = run([sys.executable, "-c", "import shared; print(shared.__file__)"], cwd=tmp_path)
+    assert result.stdout.strip() == str(REPO / "shared" / "__init__.py")
+    for path in [*SCRIPTS.glob("*.py"), *(REPO / "tools").glob("*.py"), *(REPO / "shared").glob("*.py")]:
+        assert "sys.path" not in path.read_text(), path
 
 
 def test_toy_mlp_from_a_notebook_cell_with_notebook_launcher(tmp_path):

@@ -5,13 +5,11 @@ the scripts read it through torchvision's own loading code, with no network.
 """
 
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the scripts' shared/ names the files
-from shared.data import RAW_FILES  # noqa: E402
+from shared.data import RAW_FILES  # the scripts' shared/ names the files
 
 
 def write_idx(path, array):

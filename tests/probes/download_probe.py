@@ -9,8 +9,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from shared import data, runtime  # noqa: E402
+from shared import data, runtime
 
 
 def main():

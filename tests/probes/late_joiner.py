@@ -2,13 +2,9 @@
 last rank still has work to do with the group first (a collective, as a rank still joining the group
 or finishing a step would), while rank 0 stops at once."""
 
-import sys
-from pathlib import Path
-
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from shared import runtime  # noqa: E402
+from shared import runtime
 
 
 def main():

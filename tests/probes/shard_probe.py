@@ -9,8 +9,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from shared import data, runtime  # noqa: E402
+from shared import data, runtime
 
 
 def main():

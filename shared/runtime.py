@@ -1,7 +1,5 @@
 """Process-level plumbing: picking CPU or GPU, and turning user mistakes into one sentence."""
 
-import functools
-import inspect
 import os
 import signal
 import sys
@@ -11,42 +9,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import accelerate.optimizer
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-
-class _SignatureCache:
-    """The inspect module as accelerate.optimizer sees it, with signature() remembered per function."""
-
-    _signature_of = staticmethod(functools.cache(inspect.signature))
-
-    def signature(self, function):
-        # A bound method is a new object at every attribute access: key on the function itself.
-        return self._signature_of(getattr(function, "__func__", function))
-
-    def __getattr__(self, name):
-        return getattr(inspect, name)
-
-
-def cache_accelerate_step_lookups():
-    """Answer once per run two questions that accelerate 1.15 asks at every optimizer step.
-
-    AcceleratedOptimizer.step asks importlib whether the lomo_optim package is installed (an uncached
-    search of sys.path, about 0.1 ms) and zero_grad reads the wrapped optimizer's signature (about
-    20 us) to learn whether it takes set_to_none; neither answer changes during a run. Measured at
-    commit 0f149d4 (benchmarks/README.md): cpu_gloo.py trains 1.29x faster with the answers cached on
-    one process (every round 1.17-1.43) and 1.15x on two (0.78-1.65); seq_net.py and mnist_conv.py,
-    whose steps are longer, gain nothing beyond the noise. Only for the accelerate release it was
-    measured on: another may have changed either call. Returns whether it applied.
-    """
-    if not accelerate.__version__.startswith("1.15."):
-        return False
-    if hasattr(accelerate.optimizer, "is_lomo_available"):
-        accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
-    if getattr(accelerate.optimizer, "inspect", None) is inspect:
-        accelerate.optimizer.inspect = _SignatureCache()
-    return True
 
 
 class UserError(Exception):
