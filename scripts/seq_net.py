@@ -5,6 +5,8 @@ On 4 CPU processes (gloo):    accelerate launch --config_file accelerate_configs
 On 4 GPUs:                    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/seq_net.py
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from shared import checkpoints, cli, data, metrics, outputs, runtime
+from shared import checkpoints, cli, data, metrics, run_folder, runtime, tracking
 
 
 class SeqNet(nn.Module):
@@ -53,6 +55,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    trackers = tracking.log_with(args.with_tracking, args.report_to)  # None unless --with_tracking
     accelerator = Accelerator(
         cpu=runtime.cpu_only(),
         mixed_precision=args.mixed_precision,
@@ -61,18 +64,24 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # --ddp_timeout; with checkpoints at 3+ processes, a fixed gradient layout: a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.distributed_kwargs(args),
-        log_with=outputs.trackers(args),
-        project_config=outputs.project_config(args),
+        # --ddp_timeout; at 3+ processes one gradient layout all run long, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout),
+        log_with=trackers,
+        project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
-    output_dir = outputs.prepare_output_dir(args, accelerator)
+    # Refuses an --output_dir that holds an earlier run or a live one, before anything is written.
+    output_dir = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
+                                    resuming=bool(args.resume_from_checkpoint) or args.eval_only)
 
     # --batch_size samples per step, split across the processes: any world size trains the same model.
-    batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
+    batch_size = cli.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # Both pipelines give the same batches; see --data_pipeline and shared/data.py.
-    train_loader, test_loader = data.mnist_loaders(args, DATA_SET, accelerator, batch_size, normalize=NORMALIZE)
+    train_loader, test_loader = data.mnist_loaders(
+        accelerator, DATA_SET, batch_size, args.eval_batch_size, data_dir=args.data_dir, source=args.dataset_source,
+        hub_name=args.dataset_name, pipeline=args.data_pipeline, num_workers=args.num_workers, seed=args.seed,
+        normalize=NORMALIZE,  # pixels in [0, 1]
+    )
 
     model = SeqNet()
     optimizer = make_optimizer(model, args)
@@ -86,23 +95,29 @@ def main(argv=None):
     if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
         weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
-        outputs.report_eval(results, weights, accelerator, output_dir)
+        metrics.report_eval(results, weights, accelerator, output_dir)
         accelerator.end_training()
         return
 
-    cli.check_accumulation(args, len(train_loader))
-    metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, batch_size)
-    preemption = runtime.Preemption(accelerator, args)  # with checkpoints: SIGTERM or SIGUSR1 saves, then stops
+    cli.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
+    num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
+    metrics_log = metrics.MetricsLog(output_dir, accelerator)
+    checkpointer = checkpoints.Checkpointer(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
+                                            batch_size=batch_size, num_epochs=num_epochs)
+    # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops.
+    preemption = runtime.Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
     if args.resume_from_checkpoint:
-        start = checkpointer.resume()  # every process loads its saved state: weights, optimizer, RNG
+        # Every process loads its saved state: weights, optimizer, RNG.
+        start = checkpointer.resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
         metrics_log.continue_from(start)
     if args.with_tracking:
-        accelerator.init_trackers("seq_net", config=outputs.hyperparameters(args), init_kwargs=outputs.tracker_options(output_dir))
+        accelerator.init_trackers("seq_net", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step
-    for epoch in range(start.epoch, args.num_epochs + 1):
+    for epoch in range(start.epoch, num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
         resuming = epoch == start.epoch and start.batches_done > 0
@@ -122,20 +137,22 @@ def main(argv=None):
                     saved = checkpointer.save(epoch, step, stats)
                 if stopping:
                     raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
+                if step == args.max_train_steps:
+                    break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
         scheduler.step()
 
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
         record = metrics_log.write(epoch, stats.summary(), results, {"step": step, "lr": scheduler.get_last_lr()[0]})
-        accelerator.print(metrics.epoch_line(record, args.num_epochs))
-        accelerator.log(outputs.scalars(record), step=epoch)
-        if args.checkpointing_steps == "epoch":
+        accelerator.print(metrics.epoch_line(record, num_epochs))
+        accelerator.log(tracking.scalars(record), step=epoch)
+        if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
             checkpointer.save(epoch + 1, step)
 
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
     # it loads into the plain model class.
     accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
-    accelerator.print(f"Saved the trained model to {output_dir / outputs.MODEL_FILE}")
+    accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
     accelerator.end_training()
 
 

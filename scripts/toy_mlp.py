@@ -5,13 +5,15 @@ On 2 CPU processes (gloo):    accelerate launch --config_file accelerate_configs
 From a notebook:              notebook_launcher(main, args=([],), num_processes=2)   (see the README)
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from shared import checkpoints, cli, data, metrics, outputs, runtime
+from shared import checkpoints, cli, data, metrics, run_folder, runtime, tracking
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
@@ -51,6 +53,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    trackers = tracking.log_with(args.with_tracking, args.report_to)  # None unless --with_tracking
     accelerator = Accelerator(
         cpu=runtime.cpu_only(),
         mixed_precision=args.mixed_precision,
@@ -59,17 +62,19 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # --ddp_timeout; with checkpoints at 3+ processes, a fixed gradient layout: a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.distributed_kwargs(args),
-        log_with=outputs.trackers(args),
-        project_config=outputs.project_config(args),
+        # --ddp_timeout; at 3+ processes one gradient layout all run long, so a resume ends bitwise as if never stopped.
+        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout),
+        log_with=trackers,
+        project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
     data.check_world_size(len(Y_TRAIN), accelerator, "toy_mlp's training set")
-    output_dir = outputs.prepare_output_dir(args, accelerator)
+    # Refuses an --output_dir that holds an earlier run or a live one, before anything is written.
+    output_dir = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
+                                    resuming=bool(args.resume_from_checkpoint) or args.eval_only)
 
     # --batch_size samples per step, split across the processes: any world size trains the same model.
-    batch_size = cli.batch_size_per_process(args, accelerator.num_processes)
+    batch_size = cli.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     train_set, test_set = TensorDataset(X_TRAIN, Y_TRAIN), TensorDataset(X_TEST, Y_TEST)
     train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
     train_eval_loader = DataLoader(train_set, batch_size=args.eval_batch_size)
@@ -87,23 +92,29 @@ def main(argv=None):
     if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
         weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
-        outputs.report_eval(results, weights, accelerator, output_dir)
+        metrics.report_eval(results, weights, accelerator, output_dir)
         accelerator.end_training()
         return
 
-    cli.check_accumulation(args, len(train_loader))
-    metrics_log = outputs.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(args, accelerator, output_dir, batch_size)
-    preemption = runtime.Preemption(accelerator, args)  # with checkpoints: SIGTERM or SIGUSR1 saves, then stops
+    cli.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
+    num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
+    metrics_log = metrics.MetricsLog(output_dir, accelerator)
+    checkpointer = checkpoints.Checkpointer(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
+                                            batch_size=batch_size, num_epochs=num_epochs)
+    # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops.
+    preemption = runtime.Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
     if args.resume_from_checkpoint:
-        start = checkpointer.resume()  # every process loads its saved state: weights, optimizer, RNG
+        # Every process loads its saved state: weights, optimizer, RNG.
+        start = checkpointer.resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
         metrics_log.continue_from(start)
     if args.with_tracking:
-        accelerator.init_trackers("toy_mlp", config=outputs.hyperparameters(args), init_kwargs=outputs.tracker_options(output_dir))
+        accelerator.init_trackers("toy_mlp", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step
-    for epoch in range(start.epoch, args.num_epochs + 1):
+    for epoch in range(start.epoch, num_epochs + 1):
         model.train()
         train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
         resuming = epoch == start.epoch and start.batches_done > 0
@@ -123,15 +134,17 @@ def main(argv=None):
                     saved = checkpointer.save(epoch, step, stats)
                 if stopping:
                     raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
+                if step == args.max_train_steps:
+                    break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
         scheduler.step()
 
         # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
         train_eval = metrics.evaluate(model, train_eval_loader, accelerator, loss_function, num_classes=2, prefix="train_eval")
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
         record = metrics_log.write(epoch, train_eval, stats.summary(), results, {"step": step, "lr": scheduler.get_last_lr()[0]})
-        accelerator.print(metrics.epoch_line(record, args.num_epochs))
-        accelerator.log(outputs.scalars(record), step=epoch)
-        if args.checkpointing_steps == "epoch":
+        accelerator.print(metrics.epoch_line(record, num_epochs))
+        accelerator.log(tracking.scalars(record), step=epoch)
+        if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
             checkpointer.save(epoch + 1, step)
 
     accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
@@ -139,7 +152,7 @@ def main(argv=None):
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
     # it loads into the plain model class.
     accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
-    accelerator.print(f"Saved the trained model to {output_dir / outputs.MODEL_FILE}")
+    accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
     accelerator.end_training()
 
 

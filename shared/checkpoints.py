@@ -15,10 +15,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from shared import outputs
+from shared.metrics import last_record
+from shared.run_folder import CHECKPOINT_FOLDER, MODEL_FILE
 from shared.runtime import UserError, first_line
 
-CHECKPOINT_FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"
 PREFIX = "step_"
 KEEP_UNDER_RESTARTS = 2  # the newest to resume from, and one before it in case the newest is damaged
@@ -38,23 +38,25 @@ class Position:
 
 
 class Checkpointer:
-    """Saves the full training state on the schedule of --checkpointing_steps, and resumes it."""
+    """Saves the full training state every `every` optimizer steps (--checkpointing_steps N; 'epoch' and
+    None are left to the script), keeping the newest `keep` (--keep_last_checkpoints), and resumes it.
+    `batch_size` is each process's, `num_epochs` the run's."""
 
-    def __init__(self, args, accelerator, output_dir, batch_size):
-        self.args = args
+    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, num_epochs):
         self.accelerator = accelerator
         self.output_dir = Path(output_dir)
         self.folder = self.output_dir / CHECKPOINT_FOLDER
-        self.batch_size = batch_size  # per process
+        self.every = every
+        self.batch_size = batch_size
+        self.num_epochs = num_epochs
         self.started = time.perf_counter()
-        self.keep = args.keep_last_checkpoints
+        self.keep = keep
         if self.keep is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
             self.keep = KEEP_UNDER_RESTARTS  # a launcher that restarts the run would otherwise pile them up
 
     def due(self, step):
         """Whether --checkpointing_steps N asks for a save after this optimizer step."""
-        every = self.args.checkpointing_steps
-        return isinstance(every, int) and step % every == 0
+        return isinstance(self.every, int) and step % self.every == 0
 
     def save(self, epoch, step, stats=None):
         """Save everything a resume needs: accelerator.save_state (model, optimizer, scheduler, every
@@ -77,7 +79,7 @@ class Checkpointer:
                 world_size=self.accelerator.num_processes,
                 batch_size=self.batch_size,
                 samples_done=position.batches_done * self.accelerator.num_processes * self.batch_size,
-                num_epochs=self.args.num_epochs,
+                num_epochs=self.num_epochs,
             )
             (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
             if final.exists():  # the same step saved before, by a run this one resumed from
@@ -92,16 +94,17 @@ class Checkpointer:
     def elapsed(self):
         return time.perf_counter() - self.started
 
-    def resume(self):
-        """Load the state named by --resume_from_checkpoint on every process; where to continue.
+    def resume(self, spec, *, max_train_steps, split_batches):
+        """Load the state that `spec` (--resume_from_checkpoint: a folder, or `latest`) names on every
+        process; where to continue.
 
         `latest` in an --output_dir with no checkpoint yet starts a new run (a requeued job's first
-        start); a run that holds epochs but no checkpoint, or that already finished, stops with a sentence."""
-        spec = self.args.resume_from_checkpoint
+        start); a run that holds epochs but no checkpoint, or that already finished its epochs or its
+        `max_train_steps`, stops with a sentence. `split_batches` only words the advice of a sentence."""
         path = latest_checkpoint(self.folder) if spec == "latest" else Path(spec)
-        finished = outputs.completed_epochs(self.output_dir)
+        last = last_record(self.output_dir)  # of metrics.jsonl, or None
         if path is None:
-            if finished:  # never train again over the epochs of a run that saved no checkpoint
+            if last:  # never train again over the epochs of a run that saved no checkpoint
                 raise UserError(
                     f"{self.output_dir} holds a run but no checkpoint to resume: choose another "
                     "--output_dir, or pass --overwrite_output_dir instead of --resume_from_checkpoint."
@@ -109,13 +112,21 @@ class Checkpointer:
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
         state = read_state(path)
-        finished = max(state["epoch"] - 1, finished)
-        if finished >= self.args.num_epochs:
-            raise UserError(
-                f"The run in {self.output_dir} already finished {finished} epochs: pass a larger "
-                "--num_epochs to train further, or start a new run in another --output_dir."
-            )
-        batches_done = self._batches_to_skip(path, state)
+        if max_train_steps:
+            trained = max(state["global_step"], last["step"] if last else 0)
+            if trained >= max_train_steps:
+                raise UserError(
+                    f"The run in {self.output_dir} already trained {trained} steps: pass a larger "
+                    "--max_train_steps to train further, or start a new run in another --output_dir."
+                )
+        else:
+            finished = max(state["epoch"] - 1, last["epoch"] if last else 0)
+            if finished >= self.num_epochs:
+                raise UserError(
+                    f"The run in {self.output_dir} already finished {finished} epochs: pass a larger "
+                    "--num_epochs to train further, or start a new run in another --output_dir."
+                )
+        batches_done = self._batches_to_skip(path, state, split_batches)
         load_state(self.accelerator, path)
         self.started = time.perf_counter() - state["elapsed_s"]
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -126,13 +137,13 @@ class Checkpointer:
         return Position(state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]),
                         state["epoch_seconds"], state["elapsed_s"])
 
-    def _batches_to_skip(self, path, state):
+    def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
         number of processes, so the position in samples carries over when it falls on a step boundary."""
         global_batch = self.accelerator.num_processes * self.batch_size
         if state["samples_done"] % global_batch:
             saved = state["world_size"] * state["batch_size"]
-            same_steps = f"--batch_size {saved}" if self.args.split_batches else f"{state['world_size']} processes and --batch_size {state['batch_size']}"
+            same_steps = f"--batch_size {saved}" if split_batches else f"{state['world_size']} processes and --batch_size {state['batch_size']}"
             raise UserError(
                 f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']}, which is not a whole "
                 f"number of this run's steps of {global_batch} samples: resume with {same_steps} (its steps of {saved}), "
@@ -150,10 +161,10 @@ def load_weights(spec, accelerator, model, output_dir):
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
     path = Path(spec)
     if spec == "latest":
-        candidates = [found for found in (latest_checkpoint(Path(output_dir) / CHECKPOINT_FOLDER), Path(output_dir) / outputs.MODEL_FILE)
+        candidates = [found for found in (latest_checkpoint(Path(output_dir) / CHECKPOINT_FOLDER), Path(output_dir) / MODEL_FILE)
                       if found is not None and found.exists()]
         if not candidates:
-            raise UserError(f"{output_dir} holds neither a checkpoint nor a {outputs.MODEL_FILE} to evaluate: pass the --output_dir of a run, or a path.")
+            raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir of a run, or a path.")
         path = max(candidates, key=lambda found: found.stat().st_mtime)
     if path.is_file():
         try:

@@ -62,6 +62,10 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
     parser.add_argument("--output_dir", default=f"runs/{name}", help="where metrics.jsonl, model.safetensors and checkpoints go")
     parser.add_argument("--num_epochs", type=positive_int, default=num_epochs, help="passes over the training set")
     parser.add_argument(
+        "--max_train_steps", type=positive_int, default=None,
+        help="stop after this many optimizer steps, mid-epoch too, then evaluate and save the model (overrides --num_epochs)",
+    )
+    parser.add_argument(
         "--batch_size", type=positive_int, default=batch_size,
         help="training samples per step, split evenly across the processes, so that any number of processes takes "
         "the same steps on the same samples and trains the same model (with --no_split_batches: per process)",
@@ -129,27 +133,27 @@ def add_mnist_flags(parser, hub_name):
     )
 
 
-def batch_size_per_process(args, num_processes):
-    """Each process's training batch: --batch_size split evenly across the processes, or all of it with
-    --no_split_batches. (accelerate's own DataLoaderConfiguration(split_batches=True) splits every
+def batch_size_per_process(batch_size, num_processes, split):
+    """Each process's training batch: --batch_size split evenly across the processes, or all of it when
+    not `split` (--no_split_batches). (accelerate's own DataLoaderConfiguration(split_batches=True) splits every
     prepared loader, the evaluation batch of 1,000 too, which 3 processes cannot split, and does not
     reach the in-memory loader; the scripts pass this size to their training loader instead.)"""
-    if not args.split_batches or args.eval_only:  # --eval_only takes no training step
-        return args.batch_size
-    if args.batch_size % num_processes:
+    if not split:
+        return batch_size
+    if batch_size % num_processes:
         raise UserError(
-            f"--batch_size {args.batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
-            f"{num_processes}, or --no_split_batches to give every process a batch of {args.batch_size}."
+            f"--batch_size {batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
+            f"{num_processes}, or --no_split_batches to give every process a batch of {batch_size}."
         )
-    return args.batch_size // num_processes
+    return batch_size // num_processes
 
 
-def check_accumulation(args, batches_per_epoch):
+def check_accumulation(accumulation_steps, batches_per_epoch):
     """Stop when one accumulation window would be longer than an epoch: accelerate ends the window at
     the epoch's end and divides by the whole window, so every epoch would take one small step."""
-    if args.gradient_accumulation_steps > batches_per_epoch:
+    if accumulation_steps > batches_per_epoch:
         raise UserError(
-            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} is more than the {batches_per_epoch} batches "
+            f"--gradient_accumulation_steps {accumulation_steps} is more than the {batches_per_epoch} batches "
             f"each process trains in an epoch, so every epoch would take one small optimizer step: pass at most "
             f"{batches_per_epoch}, or a smaller --batch_size."
         )

@@ -1,8 +1,13 @@
-"""Epoch metrics summed over all processes: training loss and throughput, and exact evaluation."""
+"""Epoch metrics summed over all processes: training loss and throughput, exact evaluation, and
+metrics.jsonl, the record of every epoch."""
 
+import json
 import time
+from pathlib import Path
 
 import torch
+
+from shared.run_folder import METRICS_FILE
 
 
 class EpochStats:
@@ -81,3 +86,58 @@ def epoch_line(record, num_epochs):
         f"eval_loss {record['eval_loss']:.4f}  eval_accuracy {record['eval_accuracy']:.4f}  "
         f"{record['samples_per_sec']:,.0f} samples/s  world_size {record['world_size']}"
     )
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per epoch, written by the main process only."""
+
+    def __init__(self, output_dir, accelerator):
+        self.path = Path(output_dir) / METRICS_FILE
+        self.accelerator = accelerator
+        self.started = time.perf_counter()
+
+    def write(self, epoch, *parts):
+        """Append the record of one epoch, merged from the dicts in parts, and return it."""
+        record = {"epoch": epoch}
+        for part in parts:
+            record.update(part)
+        record.update(
+            world_size=self.accelerator.num_processes,
+            mixed_precision=self.accelerator.mixed_precision,
+            elapsed_s=round(time.perf_counter() - self.started, 3),
+        )
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+        return record
+
+    def continue_from(self, position):
+        """A resumed run: keep the epochs the checkpoint had finished, drop any later ones, and count
+        elapsed_s on from the checkpoint's."""
+        self.started = time.perf_counter() - position.elapsed_s
+        if self.accelerator.is_main_process and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["epoch"] < position.epoch]
+            partial = self.path.with_name(self.path.name + ".tmp")
+            partial.write_text("".join(line + "\n" for line in kept))
+            partial.replace(self.path)
+        self.accelerator.wait_for_everyone()
+
+
+def last_record(output_dir):
+    """The last record of metrics.jsonl in output_dir (epoch, step, ...), None if there is none."""
+    path = Path(output_dir) / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
+
+
+def report_eval(result, source, accelerator, output_dir):
+    """--eval_only: print the weights' accuracy and per-class accuracy, and save them as eval.json."""
+    result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
+    accelerator.print(
+        f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
+        f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})"
+    )
+    for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
+        accelerator.print(f"  class {label}: {accuracy:.4f}")
+    if accelerator.is_main_process:
+        (Path(output_dir) / "eval.json").write_text(json.dumps(result, indent=1))

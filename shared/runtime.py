@@ -10,7 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list
 
 
 class UserError(Exception):
@@ -36,9 +36,9 @@ def cpu_only():
     return True
 
 
-def distributed_kwargs(args):
-    """The Accelerator's kwargs_handlers: how long a process waits for the others, and, with
-    checkpoints at 3 or more processes, DDP keeping one gradient layout all run long.
+def distributed_kwargs(ddp_timeout):
+    """The Accelerator's kwargs_handlers: how long a process waits for the others, and, at 3 or more
+    processes, DDP keeping one gradient layout all run long.
 
     --ddp_timeout bounds every collective: a process whose peer's machine or network is gone fails
     after that many seconds instead of waiting on (torch's default is 30 minutes).
@@ -48,15 +48,15 @@ def distributed_kwargs(args):
     more processes gloo's ring all-reduce adds the processes' values in an order that depends on a
     value's place in the bucket, so that step rounds differently and the resumed run drifts away
     (mnist_conv at 4 processes: 1e-7 after one epoch, 3e-3 after five). DDP never reorders when
-    find_unused_parameters is on, so runs of 3 or more processes that save or resume checkpoints
-    turn it on: a resume then ends bitwise equal to a run that never stopped. (At 2 processes each
-    sum has two terms, whose order cannot change the result.) Its price is one more all-reduce per
-    step, of DDP's map of used parameters (measured: benchmarks/README.md), and DDP's warning at the
-    first step that no parameter was unused, which scripts/launch.py hides.
+    find_unused_parameters is on, so every run of 3 or more processes turns it on: a run with or
+    without checkpoints, and one resumed from them, then end bitwise equal. (Turned on only for runs
+    that save or resume, it made those runs differ from the same run without checkpoints; at 2
+    processes each sum has two terms, whose order cannot change the result.) Its price is one more
+    all-reduce per step, of DDP's map of used parameters (measured: benchmarks/README.md), and DDP's
+    warning at the first step that no parameter was unused, which scripts/launch.py hides.
     """
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))]
-    several_sums = int(os.environ.get("WORLD_SIZE", "1")) >= 3  # WORLD_SIZE: set by every launcher
-    if several_sums and (args.checkpointing_steps or args.resume_from_checkpoint):
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))]
+    if int(os.environ.get("WORLD_SIZE", "1")) >= 3:  # WORLD_SIZE: set by every launcher
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     return handlers
 
@@ -80,9 +80,9 @@ class Preemption:
 
     CHECK_EVERY = 10
 
-    def __init__(self, accelerator, args):
+    def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
-        self.enabled = bool(args.checkpointing_steps)
+        self.enabled = enabled
         if self.enabled:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
@@ -100,14 +100,14 @@ def first_line(error):
 
 def run_main(main):
     """Run a script's main(); a UserError ends the process with its sentence and exit code 1, Ctrl-C
-    with one line and exit code 130, and either removes the empty folders the run had created.
+    with one line and exit code 130, and either removes what the run had made (remove_if_run_fails).
     SHOW_TRACEBACK=1 in the environment adds the full traceback to a sentence, for bug reports."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
         main()
     except UserError as error:
-        remove_empty_folders_left()
+        remove_what_the_failed_run_made()
         print_traceback_if_asked()
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -140,7 +140,7 @@ def run_main(main):
         time.sleep(2)
         exit_now(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the run at once: one line, not a traceback each
-        remove_empty_folders_left()
+        remove_what_the_failed_run_made()
         if rank == 0:
             print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
         exit_now(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
@@ -178,20 +178,36 @@ def warn_if_launched_alone():
               "by itself: launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu.", file=sys.stderr, flush=True)
 
 
-_FOLDERS_TO_REMOVE_IF_EMPTY = []
+_MADE_BY_THIS_RUN = []
 
 
-def remove_if_left_empty(folder):
-    """A folder this run has just created: a run that fails removes it again if nothing was written to it."""
-    _FOLDERS_TO_REMOVE_IF_EMPTY.append(Path(folder))
+def remove_if_run_fails(path):
+    """A folder or file this run has just made: a run that fails removes it again (a folder only if
+    nothing else was written to it)."""
+    _MADE_BY_THIS_RUN.append(Path(path))
 
 
-def remove_empty_folders_left():
-    for folder in reversed(_FOLDERS_TO_REMOVE_IF_EMPTY):  # the innermost first
+def remove_what_the_failed_run_made():
+    for path in reversed(_MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
         try:
-            folder.rmdir()  # only succeeds when empty
+            path.rmdir() if path.is_dir() else path.unlink()  # rmdir only succeeds when empty
         except OSError:
             pass
+
+
+def on_main_process(accelerator, function):
+    """function() on the main process only, while the others wait; every process returns its result,
+    or raises its UserError, so a mistake found there stops every process with the same sentence."""
+    result = error = None
+    if accelerator.is_main_process:
+        try:
+            result = function()
+        except UserError as mistake:
+            error = str(mistake)
+    result, error = broadcast_object_list([result, error])
+    if error is not None:
+        raise UserError(error)
+    return result
 
 
 def leave_process_group_together(timeout_s=10):

@@ -7,6 +7,7 @@ the suite's CPU time. `accelerate launch`, the training processes a launcher sta
 command start new interpreters.
 """
 
+import atexit
 import importlib
 import json
 import os
@@ -64,7 +65,7 @@ def run(command, cwd, check=True, env=None, new_interpreter=False):
 # What the scripts import, loaded into this process before the first fork; torch._dynamo because
 # every optimizer's first add_param_group imports it (half of the 3 s).
 SCRIPT_IMPORTS = ("accelerate", "safetensors.torch", "torch._dynamo", "tqdm.auto", "shared.checkpoints", "shared.cli",
-                  "shared.data", "shared.metrics", "shared.outputs", "shared.runtime")
+                  "shared.data", "shared.metrics", "shared.run_folder", "shared.runtime", "shared.tracking")
 
 
 def run_script_in_fork(script, args, cwd):
@@ -74,8 +75,9 @@ def run_script_in_fork(script, args, cwd):
     command = [sys.executable, script, *args]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         pid = os.fork()
-        if pid == 0:  # the child: become `python script args`, then leave without this process's exit handlers
+        if pid == 0:  # the child: become `python script args`; at its end run its own exit handlers, not this process's
             exit_code = 1
+            atexit._clear()
             try:
                 os.dup2(stdout.fileno(), 1)
                 os.dup2(stderr.fileno(), 2)
@@ -86,6 +88,7 @@ def run_script_in_fork(script, args, cwd):
                 sys.path[0] = str(Path(script).parent)
                 exit_code = run_as_main(script)
             finally:
+                atexit._run_exitfuncs()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exit_code)

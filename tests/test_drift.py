@@ -14,7 +14,7 @@ REFERENCE = "mnist_conv.py"
 # Lines (comments aside) that may differ from the reference's, by how they start.
 EVERY_SCRIPT = ("model = ", "if args.channels_last:", "model = model.to(memory_format=", 'accelerator.init_trackers("')
 OWN_LINES = {
-    "seq_net.py": ("train_loader, test_loader = data.mnist_loaders(",),  # its pixels stay in [0, 1] (NORMALIZE)
+    "seq_net.py": ("normalize=NORMALIZE,",),  # its pixels stay in [0, 1]
     "cpu_gloo.py": (
         "cpu=True,", "cpu=runtime.cpu_only(),",  # the tutorial is about CPU processes, even on a machine with GPUs
         "for images, labels in tqdm(", "progress_bar = tqdm(", "for batch_index, (images, labels) in enumerate(progress_bar",
@@ -23,6 +23,7 @@ OWN_LINES = {
     ),
     "toy_mlp.py": (
         "data.check_world_size(", "train_loader, test_loader = data.mnist_loaders(",  # built-in rows instead of MNIST
+        "accelerator, DATA_SET, batch_size, args.eval_batch_size,", "hub_name=args.dataset_name,", ")",  # (its last line)
         "train_set, test_set = ", "train_loader = DataLoader(", "train_eval_loader = DataLoader(", "test_loader = DataLoader(",
         "model, optimizer, train_loader, ", "results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=",
         "for images, labels in tqdm(", "for features, labels in batches:",
