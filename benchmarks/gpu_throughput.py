@@ -2,17 +2,21 @@
 tutorial's batch 64 and at a large batch with bf16, channels_last and torch.compile.
 
     python benchmarks/gpu_throughput.py                          # on a machine with a CUDA GPU
-    python benchmarks/gpu_throughput.py --large_batch 10000 --num_epochs 8
+    python benchmarks/gpu_throughput.py --large_batch 15360 --train_samples 61440
 
-On the same 60,000 random digits (MNIST's training-set size), each setting runs twice, each time in
-a fresh process:
+On the same 53,760 random digits (7 x 7,680 and 840 x 64: both batch sizes divide it, so no epoch
+ends in a ragged batch, which torch.compile would compile again with a dynamic batch size), each
+setting runs twice, each time in a fresh process:
 - script: `python scripts/mnist_conv.py` as a user runs it (the in-memory data path, which keeps the
   decoded set on the GPU), with --mixed_precision, --channels_last and, for torch.compile,
   ACCELERATE_DYNAMO_BACKEND=inductor (what `accelerate launch --dynamo_backend inductor` sets);
-  its figure is the fastest of epochs 2..N in metrics.jsonl (epoch 1 compiles and warms up);
+  its figure is the fastest of epochs 2..N of samples_per_sec in metrics.jsonl, which times the
+  training steps alone, as the ceiling does (epoch 1 compiles and warms up);
 - ceiling: the same model, optimizer and setting, Accelerate-prepared, stepping on batches already
-  sliced on the GPU, with no loader and no bookkeeping (benchmarks/baselines.py), read the same way.
-Without a GPU it runs on the CPU, which only checks that the command works: the targets are a GPU's.
+  sliced on the GPU, with no loader, no evaluation and no bookkeeping (benchmarks/baselines.py), read
+  the same way.
+The results file names the device. Without a GPU it runs on the CPU, which only checks that the
+command works: the targets are a GPU's.
 """
 
 import argparse
@@ -100,17 +104,21 @@ def main():
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
                         help=f"which to run, of: {', '.join(repr(name) for name in SETTINGS)}")
     parser.add_argument("--batch_size", type=int, default=64, help="the batch of the settings not called large (the tutorial's)")
-    parser.add_argument("--large_batch", type=int, default=7500, help="the batch of the large settings (7,500 divides 60,000)")
+    parser.add_argument("--large_batch", type=int, default=7680, help="the batch of the large settings")
     parser.add_argument("--num_epochs", type=int, default=5, help="epoch 1 compiles and warms up; the fastest of the rest is reported")
-    parser.add_argument("--train_samples", type=int, default=60000)
+    parser.add_argument("--train_samples", type=int, default=53760, help="a multiple of both batch sizes")
     parser.add_argument("--output", default="benchmarks/gpu_throughput.json", help="the rows as JSON")
     args = parser.parse_args()
 
+    for batch in {args.batch_size, args.large_batch}:
+        if args.train_samples % batch:
+            parser.error(f"--train_samples {args.train_samples} is not a multiple of the batch {batch}: the last batch would be ragged")
     started = time.time()
     with tempfile.TemporaryDirectory() as workdir:
         rows = measure(args.settings, args.batch_size, args.large_batch, args.num_epochs, args.train_samples, workdir)
-    Path(args.output).write_text(json.dumps(rows, indent=1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU: {platform.machine()} CPU, a check of the command only"
+    Path(args.output).write_text(json.dumps({"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                                             "train_samples": args.train_samples, "rows": rows}, indent=1))
     print(f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; {args.train_samples:,} training samples; "
           f"{time.time() - started:.0f} s.\n")
     print(table(rows))

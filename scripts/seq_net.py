@@ -70,6 +70,8 @@ def main(argv=None):
         project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
+    # Every process trains the same: the same training flags, code and packages, or all stop naming the difference.
+    runtime.check_processes_agree(accelerator, vars(args))
     # Refuses an --output_dir that holds an earlier run or a live one, before anything is written.
     output_dir = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
                                     resuming=bool(args.resume_from_checkpoint) or args.eval_only)
@@ -125,7 +127,7 @@ def main(argv=None):
         stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
         for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
             with accelerator.accumulate(model):
-                loss = loss_function(model(images), labels)
+                loss = loss_function(model(images).float(), labels)  # fp32 whatever the model computes in
                 accelerator.backward(loss)  # gradients are averaged across processes here
                 optimizer.step()
                 optimizer.zero_grad()
@@ -140,9 +142,10 @@ def main(argv=None):
                 if step == args.max_train_steps:
                     break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
         scheduler.step()
+        trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
 
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
-        record = metrics_log.write(epoch, stats.summary(), results, {"step": step, "lr": scheduler.get_last_lr()[0]})
+        record = metrics_log.write(epoch, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
         accelerator.print(metrics.epoch_line(record, num_epochs))
         accelerator.log(tracking.scalars(record), step=epoch)
         if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
@@ -150,8 +153,9 @@ def main(argv=None):
 
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
-    # it loads into the plain model class.
-    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
+    # it loads into the plain model class. A failed write stops every process with one sentence.
+    with runtime.stop_all_if_write_fails(output_dir / run_folder.MODEL_FILE, "free space or fix the folder, and train again."):
+        accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
     accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
     accelerator.end_training()
 

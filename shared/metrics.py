@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 from shared.run_folder import METRICS_FILE
+from shared.runtime import stop_all_if_write_fails
 
 
 class EpochStats:
-    """Sums the training loss and sample count of one epoch on this process, without a sync per batch.
+    """Sums the training loss and sample count of one epoch on this process, without a sync per batch,
+    and measures the epoch's peak memory (see peak_memory_mb).
 
     `carried_over` (a checkpoints.Position inside its epoch) adds what a checkpoint had summed of the
     epoch before it stopped, so a resumed epoch reports the same numbers as one that never stopped.
@@ -23,6 +25,7 @@ class EpochStats:
         self.samples = 0
         self.batches = 0
         self.started = time.perf_counter()
+        reset_peak_memory(accelerator.device)
         if carried_over is not None:
             self.batches = carried_over.batches_done
             self.started -= carried_over.epoch_seconds
@@ -41,13 +44,43 @@ class EpochStats:
         return tuple(self.accelerator.reduce(totals, reduction="sum").tolist()), time.perf_counter() - self.started
 
     def summary(self):
-        """The epoch's mean loss over every process's samples, and the global samples per second."""
+        """The epoch's mean loss over every process's samples, the global training samples per second,
+        and the largest peak memory of any process (two collectives)."""
         (loss_sum, samples), elapsed = self.snapshot()
+        peaks = self.accelerator.gather(torch.tensor([peak_memory_mb(self.accelerator.device)], device=self.accelerator.device))
         return {
             "train_loss": loss_sum / max(samples, 1),
             "train_samples_seen": int(samples),  # the padding of the last batches included
             "samples_per_sec": samples / elapsed,
+            "peak_memory_mb": round(float(peaks.max()), 1),
         }
+
+
+def reset_peak_memory(device):
+    """Start measuring a new peak: CUDA's peak allocated, or the process's peak resident set (Linux
+    lets a process reset its own high-water mark through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:  # not Linux: the peak then counts from the start of the process
+        pass
+
+
+def peak_memory_mb(device):
+    """This process's peak memory since reset_peak_memory, in MiB: on a GPU what PyTorch allocated on it;
+    on a CPU the resident set (everything the process held in RAM: the model, the data set, PyTorch)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @torch.no_grad()
@@ -55,8 +88,12 @@ def evaluate(model, loader, accelerator, loss_fn, num_classes, prefix="eval"):
     """Loss and accuracy over the whole eval set, each sample counted exactly once.
 
     The prepared loader pads the last batches so every process gets the same number;
-    gather_for_metrics drops that padding again.
+    gather_for_metrics drops that padding again. Every process evaluates the same model: buffers
+    such as BatchNorm's running statistics, which each process updates with its own batches (DDP
+    overwrites them with the main process's only at the next training step, FSDP never does), are
+    first taken from the main process, whose are the ones saved. This changes no trained weight.
     """
+    take_buffers_from_the_main_process(model, accelerator)
     model.eval()
     # Sums stay on the device (float64 for the loss) and are read once at the end, not every batch.
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -80,11 +117,17 @@ def evaluate(model, loader, accelerator, loss_fn, num_classes, prefix="eval"):
     }
 
 
+def take_buffers_from_the_main_process(model, accelerator):
+    if accelerator.num_processes > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer.data, src=0)
+
+
 def epoch_line(record, num_epochs):
     return (
         f"epoch {record['epoch']}/{num_epochs}  train_loss {record['train_loss']:.4f}  "
         f"eval_loss {record['eval_loss']:.4f}  eval_accuracy {record['eval_accuracy']:.4f}  "
-        f"{record['samples_per_sec']:,.0f} samples/s  world_size {record['world_size']}"
+        f"{record['samples_per_sec']:,.0f} samples/s  peak {record['peak_memory_mb']:,.0f} MB  world_size {record['world_size']}"
     )
 
 
@@ -103,12 +146,14 @@ class MetricsLog:
             record.update(part)
         record.update(
             world_size=self.accelerator.num_processes,
+            device=str(self.accelerator.device),
             mixed_precision=self.accelerator.mixed_precision,
             elapsed_s=round(time.perf_counter() - self.started, 3),
         )
-        if self.accelerator.is_main_process:
-            with self.path.open("a") as file:
-                file.write(json.dumps(record) + "\n")
+        with stop_all_if_write_fails(self.path, "free space or fix the folder, then resume from the newest checkpoint."):
+            if self.accelerator.is_main_process:
+                with self.path.open("a") as file:
+                    file.write(json.dumps(record) + "\n")
         return record
 
     def continue_from(self, position):

@@ -7,6 +7,8 @@ import shutil
 import socket
 from pathlib import Path
 
+from accelerate.utils import gather_object
+
 from shared import runtime
 from shared.runtime import UserError
 
@@ -17,12 +19,27 @@ LOCK_FILE = ".lock"  # held by the live run's main process; the kernel lets go w
 
 
 def prepare(accelerator, output_dir, *, overwrite, resuming):
-    """Make output_dir this run's, on the main process, and tell every process the outcome: stop with a
-    sentence if it is a file, if a live run holds it, or if it holds an earlier run that this one
-    neither resumes (`resuming`: --resume_from_checkpoint or --eval_only) nor replaces (`overwrite`:
-    --overwrite_output_dir, which deletes that run's files only once this run holds the folder)."""
+    """Make output_dir this run's and tell every process the outcome: stop with a sentence if it is a
+    file, if a live run holds it, or if it holds an earlier run that this one neither resumes
+    (`resuming`: --resume_from_checkpoint or --eval_only) nor replaces (`overwrite`:
+    --overwrite_output_dir, which deletes that run's files only once this run holds the folder).
+
+    The main process takes it first. Then the first process of every other machine looks for it:
+    where a machine does not see it (no disk shared with machine 0), that process takes the same
+    path on its own disk, and accelerate's save_on_each_node is turned on, so that every machine
+    writes its own complete copy of each checkpoint and of the model."""
     output_dir = Path(output_dir)
-    runtime.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
+    holder = runtime.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
+    sees_main = not accelerator.is_local_main_process or _holder(output_dir) == holder
+    if not all(gather_object([sees_main])):
+        accelerator.project_configuration.save_on_each_node = True
+        error = None
+        if not sees_main:
+            try:
+                _take(output_dir, overwrite and not resuming, resuming)
+            except UserError as mistake:
+                error = f"On {socket.gethostname()}: {mistake}"
+        runtime.raise_if_any_failed(error)
     return output_dir
 
 
@@ -45,6 +62,15 @@ def _take(output_dir, replace, resuming):
         for name in earlier:
             (output_dir / name).unlink()
         shutil.rmtree(output_dir / CHECKPOINT_FOLDER, ignore_errors=True)
+    return _holder(output_dir)
+
+
+def _holder(output_dir):
+    """What the lock file of output_dir says of the run holding it, or None."""
+    try:
+        return (output_dir / LOCK_FILE).read_text()
+    except OSError:
+        return None
 
 
 def hold(output_dir):

@@ -1,7 +1,11 @@
 """Process-level plumbing: picking CPU or GPU, and turning user mistakes into one sentence."""
 
+import contextlib
+import hashlib
 import os
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -10,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list, gather_object
 
 
 class UserError(Exception):
@@ -61,6 +65,76 @@ def distributed_kwargs(ddp_timeout):
     return handlers
 
 
+# Flags that may differ from machine to machine without changing what is trained: paths, workers,
+# trackers (the main process's alone), checkpoint pruning, and how long to wait for a lost machine.
+PER_MACHINE_FLAGS = {"output_dir", "data_dir", "overwrite_output_dir", "num_workers", "with_tracking", "report_to",
+                     "keep_last_checkpoints", "ddp_timeout"}
+
+
+def check_processes_agree(accelerator, flags):
+    """Stop every process with one sentence, before the first step, unless all processes run the same
+    training: the same flags (`flags`, vars(args), less PER_MACHINE_FLAGS; a checkpoint to resume by
+    its folder's name), the same code (the script and shared/), and the same torch and accelerate.
+    Launched on several machines with different flags or code, the processes would otherwise average
+    gradients of different models, or wait on each other forever. One all-gather."""
+    mine = _what_this_process_trains(flags)
+    everyone = gather_object([mine])
+    for rank, theirs in enumerate(everyone):
+        for part, (what, advice) in (("flags", ("--{} is {!r}", "start every process with the same training flags")),
+                                     ("code", ("{} has SHA-256 {:.12}", "run the same code on every machine")),
+                                     ("packages", ("{} is {}", "install the same versions everywhere (pip install -r "
+                                                                "requirements.txt -c constraints.txt)"))):
+            for name in sorted(everyone[0][part].keys() | theirs[part].keys()):
+                first, other = everyone[0][part].get(name), theirs[part].get(name)
+                if first != other:
+                    raise UserError(
+                        f"The processes disagree before the first step: {what.format(name, other)} in process {rank} on "
+                        f"{theirs['host']} but {what.format(name, first)} in process 0 on {everyone[0]['host']}: {advice}."
+                    )
+
+
+def _what_this_process_trains(flags):
+    import accelerate
+    import shared
+
+    trained = {name: value for name, value in flags.items() if name not in PER_MACHINE_FLAGS}
+    if trained.get("resume_from_checkpoint"):
+        trained["resume_from_checkpoint"] = Path(trained["resume_from_checkpoint"]).name
+    sources = sorted(Path(shared.__file__).parent.glob("*.py"))
+    script = getattr(sys.modules["__main__"], "__file__", None)  # none in a notebook
+    code = {f"shared/{path.name}": path for path in sources}
+    if script:
+        code[Path(script).name] = Path(script)
+    return {
+        "flags": trained,
+        "code": {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in code.items()},
+        "packages": {"torch": torch.__version__, "accelerate": accelerate.__version__},
+        "host": socket.gethostname(),
+    }
+
+
+def keep_batchnorm_in_float32_under_fsdp(accelerator, model):
+    """Under FSDP2 with mixed precision (fsdp.yaml: bf16), give each BatchNorm layer a shard of its own
+    whose parameters stay fp32; call it before the optimizer is built. Does nothing otherwise.
+
+    accelerate's FSDP2 policy casts every parameter to bf16 but no buffer, so BatchNorm would meet
+    bf16 weights with fp32 running statistics: the CPU kernel rejects that mix ("expected scalar type
+    BFloat16 but found Float"), CUDA's accepts it at bf16 precision for the affine weights. FSDP1 kept
+    BatchNorm out of its mixed precision for this reason; FSDP2 has no such rule. accelerator.prepare
+    then shards the rest of the model around these layers, which compute in fp32 and hand bf16 on."""
+    if getattr(accelerator, "is_fsdp2", False) and accelerator.mixed_precision in ("bf16", "fp16"):
+        shard_batchnorm_in_float32(model, torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float16)
+
+
+def shard_batchnorm_in_float32(model, compute_dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=compute_dtype)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            fully_shard(module, mp_policy=policy)
+
+
 class Preempted(Exception):
     """The run saved a checkpoint and stops because a process was told the job will be killed."""
 
@@ -76,20 +150,47 @@ class Preemption:
     step costs as much as a second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps
     it is within noise (benchmarks/README.md). Without checkpointing the signals keep their
     default: the process ends.
+
+    A process blocked in a collective that never completes (a peer gone or stuck) never runs Python's
+    signal handlers, which wait for the main thread. So a thread of its own wakes at the signal
+    (Python's C-level handler writes the signal's number to the wakeup fd even then) and, when no
+    optimizer step has finished for GRACE_S seconds since and the stop was not agreed, ends the
+    process with one line, inside torchrun's 30 s between passing SIGTERM on and killing.
     """
 
     CHECK_EVERY = 10
+    GRACE_S = 20
 
     def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
         self.enabled = enabled
+        self.agreed = False
+        self.last_progress = time.monotonic()
         if self.enabled:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            threading.Thread(target=self._end_if_stuck, args=(reader, writer), daemon=True).start()
 
     def stop_agreed(self, step):
         """After this optimizer step, whether every process stops (a collective every CHECK_EVERY steps)."""
-        return self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
+        self.last_progress = time.monotonic()
+        self.agreed = self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
+        return self.agreed
+
+    def _end_if_stuck(self, reader, writer):  # writer: kept open as long as the thread lives
+        while reader.recv(1)[0] not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            pass
+        signalled = time.monotonic()
+        while not self.agreed:
+            if time.monotonic() - max(signalled, self.last_progress) > self.GRACE_S:
+                print(f"[rank {self.accelerator.process_index}] stopped: {self.GRACE_S} s after a signal to stop, this process "
+                      "was still waiting on another, so it could not save a checkpoint; the newest complete one stays "
+                      "'latest'.", file=sys.stderr, flush=True)
+                exit_now(PREEMPTED_EXIT_CODE)
+            time.sleep(0.5)
 
 
 def first_line(error):
@@ -193,6 +294,32 @@ def remove_what_the_failed_run_made():
             path.rmdir() if path.is_dir() else path.unlink()  # rmdir only succeeds when empty
         except OSError:
             pass
+
+
+def raise_if_any_failed(error):
+    """A collective: each process passes its UserError sentence, or None; every process raises the
+    first one given, so a failure on one process stops all of them with the same sentence."""
+    failures = [message for message in gather_object([error]) if message]
+    if failures:
+        raise UserError(failures[0])
+
+
+@contextlib.contextmanager
+def stop_all_if_write_fails(path, advice):
+    """Around a write that every process enters (each may write its part, or none): when it fails on
+    any process (a full disk, no permission, an I/O error), every process stops with one sentence
+    naming `path`, the cause and `advice` (what to do), instead of a traceback on one and a hang on
+    the others. A collective."""
+    error = None
+    try:
+        yield
+    except Exception as failure:  # torch, safetensors and the OS raise many kinds on a failed write
+        cause = first_line(failure)
+        if "space" not in cause:  # torch.save says only "iostream error" on a full disk
+            free = shutil.disk_usage(next(folder for folder in Path(path).parents if folder.exists())).free
+            cause = f"no space left on its disk: {cause}" if free < 2**20 else f"{cause}; {free / 2**20:.1f} MB free on its disk"
+        error = f"Could not write {path} ({cause}): {advice}"
+    raise_if_any_failed(error)
 
 
 def on_main_process(accelerator, function):

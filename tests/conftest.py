@@ -139,6 +139,32 @@ def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
     return command + [SCRIPTS / script, *args]
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_machines(cwd, machine_args, config="cpu.yaml"):
+    """Two launches on loopback that join one group as machines 0 and 1 (one process each), as two
+    hosts would: machine_args[rank] is what follows the launcher's flags on that machine (the script
+    and its flags, after any launcher flag of its own). The results, as subprocess.run gives them, in
+    machine order."""
+    port = str(free_port())
+    jobs = [
+        subprocess.Popen(
+            [str(part) for part in [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--num_machines", "2",
+                                    "--num_processes", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+                                    "--main_process_port", port, *args]],
+            cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank, args in enumerate(machine_args)
+    ]
+    outputs = [job.communicate(timeout=TIMEOUT) for job in jobs]
+    return [subprocess.CompletedProcess(job.args, job.returncode, *output) for job, output in zip(jobs, outputs)]
+
+
 def data_flags(script, data_dir):
     """--data_dir for the scripts that read a data set; toy_mlp has its rows built in and takes none."""
     return [] if script == "toy_mlp.py" else ["--data_dir", data_dir]

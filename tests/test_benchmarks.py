@@ -31,7 +31,9 @@ def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
     options of the large-batch rows (bf16, channels_last)."""
     result = run([sys.executable, BENCHMARKS / "gpu_throughput.py", "--settings", "large bf16 channels_last",
                   "--train_samples", "512", "--large_batch", "128", "--num_epochs", "2", "--output", tmp_path / "gpu.json"], cwd=REPO)
-    (row,) = json.loads((tmp_path / "gpu.json").read_text())
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert results["device"].startswith("no GPU")
+    (row,) = results["rows"]
     assert (row["batch_size"], row["mixed_precision"], row["channels_last"], row["compile"]) == (128, "bf16", True, False)
     assert row["script"] > 0 and row["ceiling"] > 0
     assert "| large bf16 channels_last | 128 | bf16 | yes | no |" in result.stdout

@@ -12,7 +12,8 @@ from conftest import SCRIPTS
 
 REFERENCE = "mnist_conv.py"
 # Lines (comments aside) that may differ from the reference's, by how they start.
-EVERY_SCRIPT = ("model = ", "if args.channels_last:", "model = model.to(memory_format=", 'accelerator.init_trackers("')
+EVERY_SCRIPT = ("model = ", "if args.channels_last:", "model = model.to(memory_format=", 'accelerator.init_trackers("',
+                "runtime.keep_batchnorm_in_float32_under_fsdp(")  # only the BatchNorm net needs it
 OWN_LINES = {
     "seq_net.py": ("normalize=NORMALIZE,",),  # its pixels stay in [0, 1]
     "cpu_gloo.py": (

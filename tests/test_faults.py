@@ -1,6 +1,13 @@
-"""Faults lose nothing: a killed rank ends the job promptly, a crash while saving leaves the previous
-checkpoint as latest, and a resume after either ends bitwise equal to a run that never stopped."""
+"""Faults lose nothing: a killed rank ends the job promptly, a crash or a full disk while saving leaves
+the previous checkpoint as latest, a damaged checkpoint is found and never loaded, a second launch
+into a live run's folder touches nothing, machines started differently stop before the first step,
+and a process stuck in a collective still ends on SIGTERM. A resume after any of them ends bitwise
+equal to a run that never stopped."""
 
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -9,14 +16,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env, two_machines
 from datagen import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
-from shared.checkpoints import latest_checkpoint, read_state
+from shared.checkpoints import STATE_FILE, complete_checkpoints, damaged, latest_checkpoint, read_state
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
-CRASH_PROBE = Path(__file__).resolve().parent / "probes" / "crash_in_save.py"
+PROBES = Path(__file__).resolve().parent / "probes"
+CRASH_PROBE = PROBES / "crash_in_save.py"
 # A run long enough to be killed in the middle: 512 samples in batches of 8, 12 epochs.
 FLAGS = ["--batch_size", "8", "--num_epochs", "12", "--checkpointing_steps", "50", "--log_interval", "1000"]
 KILL_DEADLINE_S = 30
@@ -38,7 +46,7 @@ def training_command(num_processes, *args):
 
 def rank_process(launcher, rank):
     """The training process of `rank` among the launcher's descendants (the launcher itself for 1 process)."""
-    for process in [launcher, *launcher.children(recursive=True)]:
+    for process in [*launcher.children(recursive=True), launcher]:  # a launcher's own RANK is unset: its workers first
         try:
             if process.environ().get("RANK", "0") == str(rank) and "cpu_gloo.py" in " ".join(process.cmdline()):
                 return process
@@ -47,12 +55,29 @@ def rank_process(launcher, rank):
     return None
 
 
+@pytest.fixture(scope="module")
+def reference(small_data, tmp_path_factory):
+    """Uninterrupted runs with FLAGS at 1 and 2 processes, made once: what every recovered run must equal."""
+    made = {}
+
+    def at(num_processes):
+        if num_processes not in made:
+            made[num_processes] = tmp_path_factory.mktemp("reference") / "run"
+            run(training_command(num_processes, "--output_dir", made[num_processes], "--data_dir", small_data, *FLAGS), cwd=made[num_processes].parent)
+            assert {r["world_size"] for r in read_metrics(made[num_processes])} == {num_processes}
+        return made[num_processes]
+    return at
+
+
+def assert_ends_like(reference, resumed):
+    assert_same_weights(weights(reference), weights(resumed))
+    assert_same_records(read_metrics(reference), read_metrics(resumed), rel=1e-6)
+
+
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, small_data, tmp_path):
+def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, small_data, reference, tmp_path):
     args = ["--data_dir", small_data, *FLAGS]
-    reference = tmp_path / "reference"
-    run(training_command(num_processes, "--output_dir", reference, *args), cwd=tmp_path)
-    assert {r["world_size"] for r in read_metrics(reference)} == {num_processes}
+    reference = reference(num_processes)
 
     killed = tmp_path / "killed"
     job = subprocess.Popen([str(c) for c in training_command(num_processes, "--output_dir", killed, *args)],
@@ -78,8 +103,7 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
     newest = latest_checkpoint(killed / "checkpoints")
     assert read_state(newest)["global_step"] % 50 == 0
     run(training_command(num_processes, "--output_dir", killed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
-    assert_same_weights(weights(reference), weights(killed))
-    assert_same_records(read_metrics(reference), read_metrics(killed), rel=1e-6)
+    assert_ends_like(reference, killed)
 
 
 def test_crash_while_saving_leaves_the_previous_checkpoint_as_latest(small_data, tmp_path):
@@ -100,3 +124,148 @@ def test_crash_while_saving_leaves_the_previous_checkpoint_as_latest(small_data,
     run(python_command("cpu_gloo.py", "--output_dir", crashed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert_same_weights(weights(reference), weights(crashed))
     assert not (checkpoints / ".tmp_step_00000060").exists(), "the next save of that step cleared it"
+
+
+def page_rounded_size(folder):
+    return sum(-(-path.stat().st_size // 4096) * 4096 for path in folder.rglob("*") if path.is_file())
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(num_processes, small_data, reference, tmp_path):
+    """--output_dir on a small tmpfs with room for two checkpoints: the third save fails on a full disk.
+    Every process stops with one sentence naming the checkpoint, the cause and the way on; the
+    checkpoints before it stay complete and 'latest'; copied to a disk with room, the run resumes from
+    them to the end of the run that never stopped."""
+    reference = reference(num_processes)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = int(2.5 * page_rounded_size(reference / "checkpoints" / "step_00000050")) + 2 * 4096  # and metrics.jsonl
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", disk]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        output_dir = disk / "run"
+        failed = run(training_command(num_processes, "--output_dir", output_dir, "--data_dir", small_data, *FLAGS), cwd=tmp_path, check=False)
+        assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+        saved = complete_checkpoints(output_dir / "checkpoints")
+        assert [path.name for path in saved] == ["step_00000050", "step_00000100"]
+        assert [line for line in failed.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: Could not write {output_dir / 'checkpoints' / 'step_00000150'} (" + failed.stderr.split("step_00000150 (")[1].split("): ")[0]
+            + f"): free space or fix the folder, then resume with --resume_from_checkpoint latest, which is {saved[-1]} and complete."]
+        assert "no space left on" in failed.stderr.lower(), failed.stderr[-600:]
+        assert not list((output_dir / "checkpoints").glob(".tmp_*")), "the failed save's partial folder is gone"
+        assert all(damaged(path) is None for path in saved)
+        moved = tmp_path / "moved"
+        shutil.copytree(output_dir, moved)
+    finally:
+        subprocess.run(["umount", disk])
+    run(training_command(num_processes, "--output_dir", moved, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert_ends_like(reference, moved)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_processes, small_data, reference, tmp_path):
+    """Bytes of the newest checkpoint's weights changed in place, the size kept: `latest` says so and
+    resumes from the one before (the damaged one stays), to the end of the run that never stopped; the
+    damaged one named outright stops the run with a sentence naming the file."""
+    reference = reference(num_processes)
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    newest, before = complete_checkpoints(run_dir / "checkpoints")[-1], complete_checkpoints(run_dir / "checkpoints")[-2]
+    weights_file = newest / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-100:-90] = bytes(10)
+    weights_file.write_bytes(bytes(data))
+    lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["epoch"] < read_state(before)["epoch"]))
+
+    named = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", newest),
+                cwd=tmp_path, check=False)
+    assert named.returncode == 1 and "Traceback" not in named.stderr
+    assert f"error: Checkpoint {newest} is damaged (model.safetensors differs from what was saved): resume from an earlier checkpoint" in named.stderr
+
+    result = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
+                 cwd=tmp_path)
+    assert f"Skipping damaged checkpoint {newest} (model.safetensors differs from what was saved); trying the one before it." in result.stdout
+    assert f"Resumed from {before}:" in result.stdout
+    kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
+    assert damaged(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not damaged(newest)
+    assert_ends_like(reference, run_dir)
+
+
+def wait_for_metrics(job, output_dir):
+    deadline = time.monotonic() + 120
+    while not (output_dir / "metrics.jsonl").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_processes, small_data, tmp_path):
+    """While a run trains, a second launch into its --output_dir, with --overwrite_output_dir or
+    without, stops at once naming the live run's host and process, and leaves its files alone. Once
+    the live run is killed, its folder no longer blocks a new run."""
+    output_dir = tmp_path / "run"
+    args = ["--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200", "--log_interval", "1000"]
+    live = subprocess.Popen([str(part) for part in training_command(num_processes, *args)], cwd=tmp_path, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_metrics(live, output_dir)
+        holder = rank_process(psutil.Process(live.pid), 0)
+        for extra in (["--overwrite_output_dir"], []):
+            before = (output_dir / "metrics.jsonl").read_text()
+            second = run(training_command(num_processes, *args, *extra), cwd=tmp_path, check=False)
+            assert second.returncode == 1 and "Traceback" not in second.stderr
+            assert f"error: --output_dir {output_dir} is in use by a run still going (host {os.uname().nodename}, process {holder.pid}): " \
+                   "wait for it to end, stop it, or choose another --output_dir." in second.stderr
+            assert (output_dir / "metrics.jsonl").read_text().startswith(before), "the live run's records are all there"
+            assert live.poll() is None, "the live run goes on"
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)
+        live.communicate()
+    run(training_command(num_processes, *args[:-4], "--num_epochs", "1", "--overwrite_output_dir"), cwd=tmp_path)
+    assert [r["epoch"] for r in read_metrics(output_dir)] == [1]
+
+
+def test_machines_started_differently_stop_before_the_first_step(small_data, tmp_path):
+    """Two machines whose second has another --lr, then another copy of the script: both stop before the
+    first step with one sentence naming the first difference, and neither writes a model."""
+    script = SCRIPTS / "cpu_gloo.py"
+    changed = tmp_path / "elsewhere" / "cpu_gloo.py"
+    changed.parent.mkdir()
+    changed.write_text(script.read_text() + "# edited on one machine only\n")
+    args = ["--data_dir", small_data, "--output_dir", tmp_path / "run", "--num_epochs", "1"]
+    host = os.uname().nodename
+    for machine_1, difference, advice in (
+        ([script, *args, "--lr", "0.02"], f"--lr is 0.02 in process 1 on {host} but --lr is 0.01 in process 0 on {host}",
+         "start every process with the same training flags."),
+        ([changed, *args], "cpu_gloo.py has SHA-256 ", "run the same code on every machine."),
+    ):
+        results = two_machines(tmp_path, [[script, *args], machine_1])
+        for result in results:
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        (line,) = [line for line in results[0].stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(f"error: The processes disagree before the first step: {difference}") and line.endswith(advice), line
+        assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
+    """With checkpointing on, SIGTERM only marks a stop that the processes agree on at their next
+    check; a process blocked in a collective that never completes would never get there. Each ends
+    with one line soon after the signal instead (the probe waits 3 s; the scripts 20)."""
+    command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py", tmp_path]
+    job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("waiting_*"))) < 2:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
+    time.sleep(0.5)  # rank 1 is inside the barrier
+    workers = [process for process in psutil.Process(job.pid).children(recursive=True)
+               if "stuck_in_collective" in " ".join(process.cmdline()) and "RANK" in process.environ()]
+    signalled = time.monotonic()
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=30)
+    assert time.monotonic() - signalled < 15 and job.returncode == 143, stderr
+    assert stderr.count("s after a signal to stop, this process was still waiting on another") == 2, stderr

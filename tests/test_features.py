@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, launch_command, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, free_port, launch_command, python_command, read_metrics, run, script_env, two_machines
 from datagen import write_hub_dataset, write_small_mnist
-from shared.checkpoints import latest_checkpoint
+from shared.checkpoints import complete_checkpoints, latest_checkpoint
 from test_scripts import load_script_module
 
 # script -> (flags for a short run, a checkpoint step inside epoch 2, model class, whether the model
@@ -371,37 +371,35 @@ def test_torch_compile_through_the_launcher(tmp_path):
     model.load_state_dict(weights(tmp_path / "run"))  # no torch.compile prefixes in the saved keys
 
 
-def free_port():
-    import socket
+def test_two_machines_train_as_one_group_with_a_disk_each_and_resume_together(data_dir, tmp_path):
+    """Two launches (machine ranks 0 and 1, one process each), each writing to an --output_dir of its
+    own as machines without a shared disk do: they train bitwise what one 2-process launch trains,
+    each machine's folder holds complete checkpoints and the model, and `latest` on both resumes the
+    same checkpoint to the same end."""
+    flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "40"]
+    single, _ = train("cpu_gloo.py", tmp_path, "single", *flags[1:], num_processes=2)
+    folders = [tmp_path / "machine_0", tmp_path / "machine_1"]
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder] for folder in folders])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert read_metrics(folders[0])[-1]["world_size"] == 2
+    assert not (folders[1] / "metrics.jsonl").exists(), "the main process alone writes the metrics"
+    for folder in folders:
+        assert_same_weights(weights(single), weights(folder))
+        assert [path.name for path in complete_checkpoints(folder / "checkpoints")] == ["step_00000040"]
+    assert_same_records(read_metrics(single), read_metrics(folders[0]))
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_two_machines_on_loopback_train_as_one_group(data_dir, tmp_path):
-    """Two launches (machine ranks 0 and 1, one process each) equal one 2-process launch."""
-    flags = ["--data_dir", data_dir, "--num_epochs", "1"]
-    single, _ = train("cpu_gloo.py", tmp_path, "single", *flags, num_processes=2)
-    port = str(free_port())
-    results = {}
-
-    def machine(rank):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml",
-                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                   SCRIPTS / "cpu_gloo.py", "--output_dir", tmp_path / "multi", *flags]
-        results[rank] = subprocess.run([str(c) for c in command], cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
-
-    threads = [threading.Thread(target=machine, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert [results[r].returncode for r in (0, 1)] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
-    assert read_metrics(tmp_path / "multi")[-1]["world_size"] == 2
-    assert_same_weights(weights(single), weights(tmp_path / "multi"))
-    assert_same_records(read_metrics(single), read_metrics(tmp_path / "multi"))
+    # Both resume from their own copy of step 40, the newest the main process finds.
+    resumed = [tmp_path / "resumed_0", tmp_path / "resumed_1"]
+    for source, target in zip(folders, resumed):
+        shutil.copytree(source / "checkpoints", target / "checkpoints")
+    resume_from(folders[0], "step_00000040", tmp_path / "metrics_only")
+    shutil.copy(tmp_path / "metrics_only" / "metrics.jsonl", resumed[0])
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest"] for folder in resumed])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert f"Resumed from {resumed[0] / 'checkpoints' / 'step_00000040'}: epoch 2" in results[0].stdout
+    for folder in resumed:
+        assert_same_weights(weights(single), weights(folder))
+    assert_same_records(read_metrics(single), read_metrics(resumed[0]), rel=1e-6)
 
 
 def slurm_stand_ins(tmp_path, job_id, script, **settings):

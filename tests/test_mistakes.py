@@ -117,7 +117,7 @@ MISTAKES = {
     "checkpoint path that does not exist": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "earlier" / "checkpoints" / "step_99"),
                                             "step_99 does not exist: pass a folder under <output_dir>/checkpoints/, or 'latest'"),
     "corrupt checkpoint weights": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_weights"), output="corrupt_weights"),
-                                   "could not be loaded"),
+                                   "is damaged (model.safetensors differs from what was saved): resume from an earlier checkpoint"),
     "corrupt checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_state"), output="corrupt_state"),
                                  "is incomplete or corrupt"),
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),

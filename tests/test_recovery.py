@@ -16,10 +16,10 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, SCRIPTS, free_port, python_command, read_metrics, run, script_env
 from datagen import write_small_mnist
 from shared.checkpoints import complete_checkpoints, latest_checkpoint
-from test_features import assert_same_records, assert_same_weights, free_port, weights
+from test_features import assert_same_records, assert_same_weights, weights
 
 PROBES = SCRIPTS.parent / "tests" / "probes"
 # 512 samples in steps of 8: 64 steps an epoch, long enough to be interrupted in the middle.

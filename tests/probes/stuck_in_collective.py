@@ -1,0 +1,26 @@
+"""Launched by the tests like a training script, with checkpointing on: rank 0 never reaches the
+collective that the other ranks wait in, as a process whose peer is gone or stuck would. Each
+process writes `waiting` under its folder once it is in place, then waits for a signal to stop."""
+
+import sys
+import time
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from shared import runtime
+
+
+def main():
+    accelerator = Accelerator(cpu=runtime.cpu_only())
+    runtime.Preemption.GRACE_S = 3  # the tests' wait; training runs keep the default
+    runtime.Preemption(accelerator, enabled=True)
+    (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
+    if accelerator.is_main_process:
+        time.sleep(600)  # Python code: its signal handler runs, and sleep goes on after it (PEP 475)
+    else:
+        accelerator.wait_for_everyone()  # blocked inside gloo: no Python code runs on the main thread
+
+
+if __name__ == "__main__":
+    runtime.run_main(main)
