@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ def script_module(script):
     follows, so they train the script's own model with its optimizer, loss and data set."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / "scripts" / script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # torch.compile looks the model's module up by name
     spec.loader.exec_module(module)
     return module
 

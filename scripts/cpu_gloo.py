@@ -15,7 +15,8 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from shared import checkpoints, cli, data, metrics, run_folder, runtime, tracking
+from shared import checkpoints, cli, data, metrics, profiling, run_folder, runtime, tracking
+from shared.early_stopping import EarlyStopping
 
 
 class SimpleNet(nn.Module):
@@ -55,8 +56,9 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # --ddp_timeout; at 3+ processes one gradient layout all run long, so a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout),
+        # --ddp_timeout, --ddp_comm_hook, --ddp_bucket_cap_mb; at 3+ processes one gradient layout all run long,
+        # so a run with or without checkpoints, resumed or not, ends bitwise the same.
+        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout, args.ddp_comm_hook, args.ddp_bucket_cap_mb),
         log_with=trackers,
         project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
@@ -105,46 +107,53 @@ def main(argv=None):
         # Every process loads its saved state: weights, optimizer, RNG.
         start = checkpointer.resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
         metrics_log.continue_from(start)
+    early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
     if args.with_tracking:
         accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step
-    for epoch in range(start.epoch, num_epochs + 1):
-        model.train()
-        train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
-        resuming = epoch == start.epoch and start.batches_done > 0
-        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
-        stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
-        progress_bar = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
-        for batch_index, (images, labels) in enumerate(progress_bar, start=stats.batches):  # counts on after a resume
-            with accelerator.accumulate(model):
-                loss = loss_function(model(images).float(), labels)  # fp32 whatever the model computes in
-                accelerator.backward(loss)  # gradients are averaged across processes here
-                optimizer.step()
-                optimizer.zero_grad()
-            stats.add(loss, len(labels))
-            if accelerator.sync_gradients:  # an optimizer step happened
-                step += 1
-                stopping = preemption.stop_agreed(step)
-                if stopping or checkpointer.due(step):
-                    saved = checkpointer.save(epoch, step, stats)
-                if stopping:
-                    raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
-                if step == args.max_train_steps:
-                    break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
-            if batch_index % args.log_interval == 0:  # every rank's own loss, as in the tutorial, in one line from rank 0
-                losses = accelerator.gather(loss.detach().reshape(1)).tolist()
-                if accelerator.is_main_process:
-                    progress_bar.write(f"Epoch {epoch}, batch {batch_index}, loss by rank: " + "  ".join(f"{rank}: {value:.4f}" for rank, value in enumerate(losses)))
-        scheduler.step()
-        trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
+    # --profile: torch.profiler records a window of steps on every process, then writes traces and a table.
+    with accelerator.profile(profiling.window(accelerator, output_dir, model)) if args.profile else profiling.off() as profiler:
+        for epoch in range(start.epoch, num_epochs + 1):
+            model.train()
+            train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
+            resuming = epoch == start.epoch and start.batches_done > 0
+            batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
+            stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
+            progress_bar = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
+            for batch_index, (images, labels) in enumerate(progress_bar, start=stats.batches):  # counts on after a resume
+                with accelerator.accumulate(model):
+                    loss = loss_function(model(images).float(), labels)  # fp32 whatever the model computes in
+                    accelerator.backward(loss)  # gradients are averaged across processes here
+                    optimizer.step()
+                    optimizer.zero_grad()
+                stats.add(loss, len(labels))
+                profiler.step()  # --profile: one more step of its window
+                if accelerator.sync_gradients:  # an optimizer step happened
+                    step += 1
+                    stopping = preemption.stop_agreed(step)
+                    if stopping or checkpointer.due(step):
+                        saved = checkpointer.save(epoch, step, stats)
+                    if stopping:
+                        raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
+                    if step == args.max_train_steps:
+                        break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
+                if batch_index % args.log_interval == 0:  # every rank's own loss, as in the tutorial, in one line from rank 0
+                    losses = accelerator.gather(loss.detach().reshape(1)).tolist()
+                    if accelerator.is_main_process:
+                        progress_bar.write(f"Epoch {epoch}, batch {batch_index}, loss by rank: " + "  ".join(f"{rank}: {value:.4f}" for rank, value in enumerate(losses)))
+            scheduler.step()
+            trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
 
-        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
-        record = metrics_log.write(epoch, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
-        accelerator.print(metrics.epoch_line(record, num_epochs))
-        accelerator.log(tracking.scalars(record), step=epoch)
-        if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
-            checkpointer.save(epoch + 1, step)
+            results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
+            record = metrics_log.write(epoch, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
+            accelerator.print(metrics.epoch_line(record, num_epochs))
+            accelerator.log(tracking.scalars(record), step=epoch)
+            if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
+                checkpointer.save(epoch + 1, step)
+            if reason := early_stopping.stop_after(record):  # the same epoch on every process
+                accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
+                break
 
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that

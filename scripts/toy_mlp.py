@@ -13,7 +13,8 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from shared import checkpoints, cli, data, metrics, run_folder, runtime, tracking
+from shared import checkpoints, cli, data, metrics, profiling, run_folder, runtime, tracking
+from shared.early_stopping import EarlyStopping
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
@@ -62,8 +63,9 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
-        # --ddp_timeout; at 3+ processes one gradient layout all run long, so a resume ends bitwise as if never stopped.
-        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout),
+        # --ddp_timeout, --ddp_comm_hook, --ddp_bucket_cap_mb; at 3+ processes one gradient layout all run long,
+        # so a run with or without checkpoints, resumed or not, ends bitwise the same.
+        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout, args.ddp_comm_hook, args.ddp_bucket_cap_mb),
         log_with=trackers,
         project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
@@ -112,45 +114,52 @@ def main(argv=None):
         # Every process loads its saved state: weights, optimizer, RNG.
         start = checkpointer.resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
         metrics_log.continue_from(start)
+    early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
     if args.with_tracking:
         accelerator.init_trackers("toy_mlp", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step
-    for epoch in range(start.epoch, num_epochs + 1):
-        model.train()
-        train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
-        resuming = epoch == start.epoch and start.batches_done > 0
-        batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
-        stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
-        for features, labels in batches:
-            with accelerator.accumulate(model):
-                loss = loss_function(model(features).float(), labels)  # fp32 whatever the model computes in
-                accelerator.backward(loss)  # gradients are averaged across processes here
-                optimizer.step()
-                optimizer.zero_grad()
-            stats.add(loss, len(labels))
-            if accelerator.sync_gradients:  # an optimizer step happened
-                step += 1
-                stopping = preemption.stop_agreed(step)
-                if stopping or checkpointer.due(step):
-                    saved = checkpointer.save(epoch, step, stats)
-                if stopping:
-                    raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
-                if step == args.max_train_steps:
-                    break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
-        scheduler.step()
-        trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
+    # --profile: torch.profiler records a window of steps on every process, then writes traces and a table.
+    with accelerator.profile(profiling.window(accelerator, output_dir, model)) if args.profile else profiling.off() as profiler:
+        for epoch in range(start.epoch, num_epochs + 1):
+            model.train()
+            train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
+            resuming = epoch == start.epoch and start.batches_done > 0
+            batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
+            stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
+            for features, labels in batches:
+                with accelerator.accumulate(model):
+                    loss = loss_function(model(features).float(), labels)  # fp32 whatever the model computes in
+                    accelerator.backward(loss)  # gradients are averaged across processes here
+                    optimizer.step()
+                    optimizer.zero_grad()
+                stats.add(loss, len(labels))
+                profiler.step()  # --profile: one more step of its window
+                if accelerator.sync_gradients:  # an optimizer step happened
+                    step += 1
+                    stopping = preemption.stop_agreed(step)
+                    if stopping or checkpointer.due(step):
+                        saved = checkpointer.save(epoch, step, stats)
+                    if stopping:
+                        raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
+                    if step == args.max_train_steps:
+                        break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
+            scheduler.step()
+            trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
 
-        # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
-        train_eval = metrics.evaluate(model, train_eval_loader, accelerator, loss_function, num_classes=2, prefix="train_eval")
-        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
-        record = metrics_log.write(epoch, train_eval, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
-        accelerator.print(metrics.epoch_line(record, num_epochs))
-        accelerator.log(tracking.scalars(record), step=epoch)
-        if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
-            checkpointer.save(epoch + 1, step)
+            # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
+            train_eval = metrics.evaluate(model, train_eval_loader, accelerator, loss_function, num_classes=2, prefix="train_eval")
+            results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
+            record = metrics_log.write(epoch, train_eval, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
+            accelerator.print(metrics.epoch_line(record, num_epochs))
+            accelerator.log(tracking.scalars(record), step=epoch)
+            if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
+                checkpointer.save(epoch + 1, step)
+            if reason := early_stopping.stop_after(record):  # the same epoch on every process
+                accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
+                break
 
-    accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
+        accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
     accelerator.wait_for_everyone()
     # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
     # it loads into the plain model class. A failed write stops every process with one sentence.

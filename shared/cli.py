@@ -26,6 +26,13 @@ def non_negative_int(text):
     return value
 
 
+def accuracy(text):
+    value = _parse(float, text, "a number")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be an accuracy above 0 and at most 1, got {text}")
+    return value
+
+
 def checkpointing_steps(text):
     """'epoch', or a whole number of optimizer steps."""
     return text if text == "epoch" else positive_int(text)
@@ -108,6 +115,29 @@ def training_parser(description, *, name, num_epochs, batch_size, lr, eval_batch
         "--ddp_timeout", type=positive_int, default=1800,
         help="seconds a process waits for the others at a collective before it fails: how soon a run stops "
         "when another machine or the network to it is lost (the main process's download is waited for too)",
+    )
+    parser.add_argument(
+        "--early_stopping_patience", type=positive_int, default=None,
+        help="stop when eval loss has not improved for this many epochs (a resumed run remembers its count)",
+    )
+    parser.add_argument(
+        "--early_stopping_target", type=accuracy, default=None, metavar="ACC",
+        help="stop after the first epoch whose eval accuracy reaches ACC (between 0 and 1), as time-to-accuracy benchmarks do",
+    )
+    parser.add_argument(
+        "--ddp_comm_hook", choices=["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"], default="no",
+        help="compress DDP's gradient all-reduce: fp16/bf16 halve its bytes, PowerSGD sends a low-rank approximation "
+        "(see benchmarks/README.md for what each buys and costs)",
+    )
+    parser.add_argument(
+        "--ddp_bucket_cap_mb", type=positive_float, default=None,
+        help="DDP's gradient bucket size in MB (torch's default: 25): smaller buckets start their all-reduce "
+        "earlier in backward, which --profile shows",
+    )
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="record a window of training steps with torch.profiler: traces under <output_dir>/profile/ and a table "
+        "of where a step's time goes on each process",
     )
     parser.add_argument("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
     parser.add_argument(

@@ -168,11 +168,16 @@ class MetricsLog:
         self.accelerator.wait_for_everyone()
 
 
+def read_records(output_dir):
+    """The records of metrics.jsonl in output_dir, one per epoch; none if there is no such file."""
+    path = Path(output_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def last_record(output_dir):
     """The last record of metrics.jsonl in output_dir (epoch, step, ...), None if there is none."""
-    path = Path(output_dir) / METRICS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
-    return json.loads(lines[-1]) if lines else None
+    records = read_records(output_dir)
+    return records[-1] if records else None
 
 
 def report_eval(result, source, accelerator, output_dir):

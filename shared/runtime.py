@@ -14,7 +14,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list, gather_object
+from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, InitProcessGroupKwargs, broadcast_object_list,
+                               gather_object)
 
 
 class UserError(Exception):
@@ -40,9 +41,15 @@ def cpu_only():
     return True
 
 
-def distributed_kwargs(ddp_timeout):
-    """The Accelerator's kwargs_handlers: how long a process waits for the others, and, at 3 or more
+def distributed_kwargs(ddp_timeout, comm_hook="no", bucket_cap_mb=None):
+    """The Accelerator's kwargs_handlers: how long a process waits for the others, how DDP sends its
+    gradients (`comm_hook`: --ddp_comm_hook, `bucket_cap_mb`: --ddp_bucket_cap_mb), and, at 3 or more
     processes, DDP keeping one gradient layout all run long.
+
+    PowerSGD starts compressing after start_powerSGD_iter steps of plain all-reduce; torch's default
+    of 1,000 would leave these scripts' short runs uncompressed, so it starts at step 2 (the first
+    steps it needs for its error feedback). Its state (error feedback, low-rank bases) is not in the
+    checkpoints, so a resumed run does not end bitwise as one that never stopped.
 
     --ddp_timeout bounds every collective: a process whose peer's machine or network is gone fails
     after that many seconds instead of waiting on (torch's default is 30 minutes).
@@ -59,10 +66,17 @@ def distributed_kwargs(ddp_timeout):
     all-reduce per step, of DDP's map of used parameters (measured: benchmarks/README.md), and DDP's
     warning at the first step that no parameter was unused, which scripts/launch.py hides.
     """
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))]
+    if comm_hook == "batched_power_sgd" and not _batched_power_sgd_works():
+        raise UserError(f"--ddp_comm_hook batched_power_sgd fails in torch {torch.__version__} (its hook hands a single matrix to "
+                        "an orthogonalization that takes a batch of them): use --ddp_comm_hook power_sgd.")
+    ddp = {"comm_hook": DDPCommunicationHookType(comm_hook)}
+    if "power_sgd" in comm_hook:
+        ddp["comm_state_option"] = {"start_powerSGD_iter": 2}
+    if bucket_cap_mb:
+        ddp["bucket_cap_mb"] = bucket_cap_mb
     if int(os.environ.get("WORLD_SIZE", "1")) >= 3:  # WORLD_SIZE: set by every launcher
-        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
-    return handlers
+        ddp["find_unused_parameters"] = True
+    return [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)), DistributedDataParallelKwargs(**ddp)]
 
 
 # Flags that may differ from machine to machine without changing what is trained: paths, workers,
@@ -133,6 +147,18 @@ def shard_batchnorm_in_float32(model, compute_dtype):
     for module in model.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             fully_shard(module, mp_policy=policy)
+
+
+def _batched_power_sgd_works():
+    """torch 2.15's batched_powerSGD_hook orthogonalizes its 2-D low-rank matrix with a function that
+    asserts a 3-D batch; try that call on a small matrix."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(4, 1))
+        return True
+    except AssertionError:
+        return False
 
 
 class Preempted(Exception):

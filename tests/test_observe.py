@@ -1,0 +1,101 @@
+"""Seeing inside a run, and sending less: --profile, peak memory, --ddp_comm_hook and early stopping.
+Each check fails if its flag silently did nothing; a flag that only observes leaves the weights bitwise
+as they were."""
+
+import json
+
+import pytest
+
+from conftest import python_command, read_metrics, run
+from test_features import assert_same_records, assert_same_weights, resume_from, train, weights
+
+PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(data_dir, tmp_path_factory):
+    """cpu_gloo on 2 processes, 2 epochs of 32 steps, with nothing observed: what the observed runs must equal."""
+    output_dir, _ = train("cpu_gloo.py", tmp_path_factory.mktemp("plain"), "run", "--num_epochs", "2", num_processes=2, data_dir=data_dir)
+    return output_dir
+
+
+def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(two_process_run, data_dir, tmp_path):
+    profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--num_epochs", "2", "--profile", num_processes=2, data_dir=data_dir)
+    assert_same_weights(weights(two_process_run), weights(profiled))
+    assert_same_records(read_metrics(two_process_run), read_metrics(profiled), rel=1e-6)
+    for rank in (0, 1):
+        names = {event["name"] for event in json.loads((profiled / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]}
+        assert {"DistributedDataParallel.forward", "gloo:all_reduce", "Optimizer.step#SGD.step"} <= names
+    rows = json.loads((profiled / "profile" / "step_time.json").read_text())
+    assert [row["process"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["steps"] >= 5 and row["step"] > 0 and row["backward"] > 0 and row["all-reduce wait"] > 0
+        assert sum(row[phase] for phase in PHASES) == pytest.approx(row["step"], rel=0.05)
+    assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in result.stdout
+
+
+def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_path):
+    profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", data_dir=data_dir)
+    (row,) = json.loads((profiled / "profile" / "step_time.json").read_text())
+    assert row["process"] == 0 and row["forward"] > 0 and row["all-reduce wait"] == 0
+    short, result = train("toy_mlp.py", tmp_path, "short", "--profile")
+    assert "--profile recorded nothing: the run took 6 steps, and the profiler skips 5" in result.stderr
+    assert not (short / "profile").exists()
+
+
+def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for record in read_metrics(two_process_run):
+        assert record["device"].split(":")[0] == "cpu" and 100 < record["peak_memory_mb"] < 20_000  # the process's resident set, in MiB
+    tracked, _ = train("toy_mlp.py", tmp_path, "tracked", "--with_tracking")
+    events = EventAccumulator(str(next((tracked / "tensorboard").iterdir()))).Reload()
+    assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
+
+
+@pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
+def test_a_communication_hook_compresses_what_ddp_sends(hook, two_process_run, data_dir, tmp_path):
+    """fp16 rounds every averaged gradient to half precision; PowerSGD sends a rank-1 approximation with
+    error feedback. Either changes the weights (the hook is in use) and still learns."""
+    hooked, _ = train("cpu_gloo.py", tmp_path, hook, "--num_epochs", "2", "--ddp_comm_hook", hook, num_processes=2, data_dir=data_dir)
+    plain, compressed = weights(two_process_run), weights(hooked)
+    assert any(not (plain[key] == compressed[key]).all() for key in plain)
+    records = read_metrics(hooked)
+    assert records[-1]["train_loss"] < records[0]["train_loss"] and records[-1]["eval_accuracy"] > 0.9
+
+
+def test_early_stopping_target_stops_every_process_after_the_same_epoch(data_dir, tmp_path):
+    stopped, result = train("cpu_gloo.py", tmp_path, "stopped", "--num_epochs", "10", "--early_stopping_target", "0.9",
+                            num_processes=2, data_dir=data_dir)
+    records = read_metrics(stopped)
+    assert len(records) < 10 and records[-1]["eval_accuracy"] >= 0.9 > max((r["eval_accuracy"] for r in records[:-1]), default=0)
+    assert f"Stopped early after epoch {len(records)}: eval_accuracy {records[-1]['eval_accuracy']:.4f} reached " \
+           "--early_stopping_target 0.9." in result.stdout
+    assert (stopped / "model.safetensors").exists()
+
+
+def test_early_stopping_patience_and_a_resumed_run_remember_the_epochs_without_improvement(data_dir, tmp_path):
+    """With --lr 5 the linear net drives eval loss to its floor at once, after which it stops improving.
+    A run stopped and resumed between stops where the uninterrupted one stops, with the same records."""
+    flags = ["--data_dir", data_dir, "--lr", "5", "--early_stopping_patience", "2", "--checkpointing_steps", "epoch"]
+    whole, result = train("cpu_gloo.py", tmp_path, "whole", *flags, "--num_epochs", "10")
+    records = read_metrics(whole)
+    best = min(records, key=lambda record: record["eval_loss"])["epoch"]
+    assert records[-1]["epoch"] == best + 2 < 10 and records[-1]["epoch"] >= 3
+    assert f"Stopped early after epoch {best + 2}: eval_loss has not improved for 2 epochs" in result.stdout
+
+    resumed = tmp_path / "resumed"
+    path = resume_from(whole, "step_00000064", resumed)  # after epoch 2
+    train("cpu_gloo.py", tmp_path, "resumed", *flags, "--num_epochs", "10", "--resume_from_checkpoint", path)
+    assert_same_records(records, read_metrics(resumed), rel=1e-6)
+
+
+def test_batched_power_sgd_where_torch_breaks_it_is_answered_in_one_sentence(tmp_path):
+    from shared.runtime import _batched_power_sgd_works
+
+    if _batched_power_sgd_works():
+        pytest.skip("this torch's batched PowerSGD hook works")
+    result = run(python_command("toy_mlp.py", "--output_dir", tmp_path / "run", "--ddp_comm_hook", "batched_power_sgd"), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: --ddp_comm_hook batched_power_sgd fails in torch" in result.stderr and result.stderr.strip().endswith("use --ddp_comm_hook power_sgd.")
+    assert not (tmp_path / "run").exists()
