@@ -114,6 +114,8 @@ def stopped(what, exitcode):
 
 
 def how_it_ended(exitcode):
+    if exitcode == -6:  # NCCL's watchdog ends a process whose collective waited --ddp_timeout in vain
+        return "was killed by signal 6 (SIGABRT: under NCCL, its watchdog after a collective waited --ddp_timeout for another process)"
     if exitcode < 0:
         return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
@@ -131,6 +133,7 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
     # 0 hosts its store and is known at --main_process_ip (torchrun would guess both from the host
     # name, which may resolve to another of its addresses).
     args.rdzv_backend = "c10d"
+    args.same_network = False  # with it, accelerate gives c10d no endpoint and every machine would host its own
     is_host = setting("machine_rank") == 0
     args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(is_host)}"]))
     if is_host:
@@ -152,6 +155,10 @@ def main():
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if args.max_restarts:
+        one_process_alone = config is not None and config.distributed_type.value == "NO" and (setting("num_processes") or 1) == 1
+        if one_process_alone and not args.multi_gpu:
+            fail("--max_restarts needs torchrun, which a one-process launch without --multi_gpu does not use (1gpu.yaml): "
+                 "add --multi_gpu to restart a one-process run.")
         use_a_fresh_rendezvous_for_every_restart(args, setting)
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")

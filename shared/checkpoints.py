@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from shared import runtime
 from shared.metrics import last_record
@@ -212,6 +211,8 @@ def load_weights(spec, accelerator, model, output_dir):
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
     path = runtime.on_main_process(accelerator, lambda: _weights_to_evaluate(spec, output_dir, accelerator.print))
     if path.is_file():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
+
         try:
             weights = load_file(path)
             set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), weights,

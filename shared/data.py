@@ -57,24 +57,20 @@ def mnist_loaders(accelerator, name, batch_size, eval_batch_size, *, data_dir, s
     same order on every process, so a run trains to the same weights either way. ToTensor scales
     pixels to [0, 1] and Normalize centres them; nothing divides by 255 again.
     """
-    from torchvision import transforms
-
     stats = PIXEL_STATS[name] if normalize else None
-    steps = [transforms.ToTensor()]
-    if stats:
-        steps.append(transforms.Normalize((stats[0],), (stats[1],)))
-    transform = transforms.Compose(steps)
-
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, or an empty one to download them into.")
 
     def load():
+        transform = _per_sample_transform(stats) if pipeline == "torchvision" else None  # the memory pipeline converts all at once
         if source == "hub":
             return _from_hub(hub_name, data_dir, transform)
+        raw_folder = Path(data_dir) / name / "raw"
+        if pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
+            return tuple(_read_raw(name, raw_folder, train) for train in (True, False))
         return tuple(_open(name, data_dir, train, transform) for train in (True, False))
 
     train_set, test_set = load_in_download_order(accelerator, load)
-    check_world_size(len(train_set), accelerator, f"the {name} training set")
     if pipeline == "torchvision":
         return (
             DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=num_workers),
@@ -208,13 +204,38 @@ def _from_hub(hub_name, data_dir, transform):
         ) from None
 
 
-def check_world_size(num_samples, accelerator, what):
-    """Stop when some process would get no training sample at all."""
-    if accelerator.num_processes > num_samples:
-        raise UserError(
-            f"{accelerator.num_processes} processes were launched but {what} has only {num_samples} samples: "
-            f"launch at most {num_samples} processes (--num_processes {num_samples})."
-        )
+def _per_sample_transform(stats):
+    """ToTensor, then Normalize with the data set's statistics (none for pixels kept in [0, 1])."""
+    from torchvision import transforms
+
+    steps = [transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else [])
+    return transforms.Compose(steps)
+
+
+def _read_raw(name, raw_folder, train):
+    """One split of torchvision's MNIST files, read as torchvision's MNIST reads them (uint8 images,
+    int64 labels) but without importing torchvision, whose import costs a new process about 0.5 s of
+    CPU: what the memory pipeline needs when the files are already there (tests/test_data.py shows
+    the tensors are bitwise torchvision's)."""
+    prefix = "train" if train else "t10k"
+    try:
+        images, labels = (_read_idx(raw_folder / f"{prefix}-{kind}") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+    except (ValueError, OSError) as error:
+        raise _unreadable(name, raw_folder, error) from None
+    return ArrayDataset(images, labels.long(), transform=None)
+
+
+def _read_idx(path):
+    """An IDX file of unsigned bytes (MNIST's format): a 4-byte magic number whose last byte is the
+    number of dimensions, one big-endian 4-byte size per dimension, then the data."""
+    data = path.read_bytes()
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path.name} is not an IDX file of unsigned bytes")
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3]))
+    body = 4 + 4 * len(shape)
+    if len(data) != body + math.prod(shape):
+        raise ValueError(f"{path.name} holds {len(data) - body} bytes of data where its header says {math.prod(shape)}")
+    return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
 
 
 def _open(name, data_dir, train, transform):

@@ -288,10 +288,16 @@ def exit_now(code):
     os._exit(code)
 
 
+# How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+                   "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
+
+
 def lost_a_peer(error):
-    """Whether a collective failed because another process or its network is gone."""
-    text = str(error)
-    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out"))
+    """Whether a collective failed because another process or its network is gone. Under NCCL's
+    default error handling the watchdog ends the process itself instead (SIGABRT, after --ddp_timeout),
+    and the launcher names the rank that ended: docs/recovery.md."""
+    return any(sign in str(error) for sign in LOST_PEER_SIGNS)
 
 
 def warn_if_launched_alone():

@@ -132,8 +132,10 @@ def python_command(script, *args):
 
 
 def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
-    """accelerate launch --config_file accelerate_configs/<config> [--num_processes N] scripts/X.py ..."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / config]
+    """python scripts/launch.py --config_file accelerate_configs/<config> [--num_processes N] scripts/X.py ...:
+    accelerate's launcher with the README's checks, run as a fork of this process (the training
+    processes it starts are new interpreters). Plain `accelerate launch` has tests of its own."""
+    command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config]
     if num_processes is not None:
         command += ["--num_processes", num_processes]
     return command + [SCRIPTS / script, *args]

@@ -23,7 +23,7 @@ OWN_LINES = {
         "progress_bar.write(",
     ),
     "toy_mlp.py": (
-        "data.check_world_size(", "train_loader, test_loader = data.mnist_loaders(",  # built-in rows instead of MNIST
+        "train_loader, test_loader = data.mnist_loaders(",  # built-in rows instead of MNIST
         "accelerator, DATA_SET, batch_size, args.eval_batch_size,", "hub_name=args.dataset_name,", ")",  # (its last line)
         "train_set, test_set = ", "train_loader = DataLoader(", "train_eval_loader = DataLoader(", "test_loader = DataLoader(",
         "model, optimizer, train_loader, ", "results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=",

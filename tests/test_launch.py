@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, REPO, run
+from conftest import CONFIGS, REPO, SCRIPTS, launch_command, read_metrics, run
+from test_scripts import load_script_module
 
 PROBE = Path(__file__).resolve().parent / "probes" / "shard_probe.py"
 
@@ -38,8 +39,31 @@ def test_profile_loads_and_says_what_its_name_claims(name):
     assert (config.num_processes, config.num_machines, config.use_cpu) == (processes, machines, on_cpu)
     assert config.mixed_precision == precision
     assert path.read_text().startswith("#"), "each profile opens with a comment saying what it is for"
-    if not on_cpu:  # GPU profiles name one GPU per process on each machine
-        assert len(config.gpu_ids.split(",")) == processes // machines
+    if machines > 1:  # the GPUs a scheduler gave the job, as CUDA_VISIBLE_DEVICES has them
+        assert config.gpu_ids == "all"
+    elif not on_cpu:  # GPU profiles on one machine name one GPU per process
+        assert len(config.gpu_ids.split(",")) == processes
+
+
+def test_every_script_with_its_defaults_splits_its_batch_under_every_profile():
+    """Each profile's process count (1, 2, 4, 8) divides each script's default --batch_size, so the same
+    defaults train the same model under every profile."""
+    from shared.cli import batch_size_per_process
+
+    counts = {load_config_from_file(str(CONFIGS / name)).num_processes for name in PROFILES}
+    assert counts == {1, 2, 4, 8}
+    for script in ("seq_net.py", "mnist_conv.py", "cpu_gloo.py", "toy_mlp.py"):
+        defaults = load_script_module(SCRIPTS / script).parse_args([])
+        for count in counts:
+            assert batch_size_per_process(defaults.batch_size, count, split=defaults.split_batches) * count == defaults.batch_size
+
+
+def test_toy_mlp_with_its_defaults_trains_as_eight_processes(tmp_path):
+    """The 8 processes of 8gpu.yaml and 2node_4gpu.yaml, here on the CPU: more processes than toy_mlp has
+    rows, each given one by accelerate's top-up of the epoch's last step."""
+    run(launch_command("toy_mlp.py", "--output_dir", tmp_path / "run", num_processes=8), cwd=tmp_path)
+    records = read_metrics(tmp_path / "run")
+    assert {record["world_size"] for record in records} == {8} and records[-1]["train_eval_accuracy"] == 1.0
 
 
 def test_fsdp_profile_shards_with_fsdp2():

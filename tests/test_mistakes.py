@@ -44,6 +44,7 @@ def place(tmp_path_factory):
     images.write_bytes(images.read_bytes()[:4000])
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
+    (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
     return root
 
 
@@ -121,9 +122,9 @@ MISTAKES = {
     "corrupt checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_state"), output="corrupt_state"),
                                  "is incomplete or corrupt"),
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
-    "more processes than toy_mlp has rows": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "6",
-                                                              SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
-                                             "toy_mlp's training set has only 5 samples: launch at most 5 processes"),
+    "restarts asked of a launch without torchrun": (lambda p: launch("--config_file", p / "one_process.yaml", "--max_restarts", "1",
+                                                                    SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+                                                     "--max_restarts needs torchrun, which a one-process launch without --multi_gpu"),
     "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
                                    "already finished 2 epochs: pass a larger --num_epochs"),
     "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),
