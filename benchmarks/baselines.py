@@ -166,6 +166,7 @@ class Ranks:
 
     def __init__(self, rank, world_size):
         self.process_index, self.num_processes = rank, world_size
+        self.device = torch.device("cpu")
 
 
 def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr):

@@ -1,10 +1,11 @@
 """Fixtures and launch helpers: every test runs the scripts as a user would, in a process of their own.
 
-A `python scripts/X.py` command (a training script, or scripts/launch.py) is a fork of the test
-process, which has already imported what the scripts import (torch, torchvision, accelerate,
-shared/): a new interpreter would spend about 3 s of CPU on those imports, which made up a third of
-the suite's CPU time. `accelerate launch`, the training processes a launcher starts, and every other
-command start new interpreters.
+A one-process `python scripts/X.py` run of a training script is a fork of the test process, which
+has already imported what the scripts import (torch, accelerate, shared/): a new interpreter would
+spend about 3 s of CPU on those imports. scripts/launch.py, `accelerate launch`, the training
+processes a launcher starts, and every other command start new interpreters: a forked launcher
+(torch's elastic agent) ended one to three launches of each full suite with "terminate called
+without an active exception", which no launcher started as users start it has done.
 """
 
 import atexit
@@ -48,12 +49,13 @@ def script_env():
 def run(command, cwd, check=True, env=None, new_interpreter=False):
     """Run a command; on an unexpected exit code, fail with its output.
 
-    `python scripts/X.py ...` with the scripts' environment runs in a fork of this process unless
-    new_interpreter is set; everything else starts as a new process.
+    `python scripts/X.py ...` of a training script with the scripts' environment runs in a fork of
+    this process unless new_interpreter is set; everything else starts as a new process.
     """
     command = [str(part) for part in command]
-    is_script = len(command) > 1 and command[0] == sys.executable and Path(command[1]).parent == SCRIPTS
-    if is_script and env is None and not new_interpreter:
+    is_training_script = (len(command) > 1 and command[0] == sys.executable and Path(command[1]).parent == SCRIPTS
+                          and Path(command[1]).name != "launch.py")
+    if is_training_script and env is None and not new_interpreter:
         result = run_script_in_fork(command[1], command[2:], cwd)
     else:
         result = subprocess.run(command, cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=TIMEOUT)
@@ -133,8 +135,7 @@ def python_command(script, *args):
 
 def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
     """python scripts/launch.py --config_file accelerate_configs/<config> [--num_processes N] scripts/X.py ...:
-    accelerate's launcher with the README's checks, run as a fork of this process (the training
-    processes it starts are new interpreters). Plain `accelerate launch` has tests of its own."""
+    accelerate's launcher with the README's checks. Plain `accelerate launch` has tests of its own."""
     command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config]
     if num_processes is not None:
         command += ["--num_processes", num_processes]

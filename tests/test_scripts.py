@@ -44,6 +44,7 @@ def assert_trained(output_dir, script, world_size, min_accuracy):
     model.load_state_dict(load_file(output_dir / "model.safetensors"))  # strict: every key matches
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_TEST))
 def test_one_process_with_python(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
@@ -55,6 +56,7 @@ def test_one_process_with_python(script, data_dir, tmp_path):
     assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in result.stdout
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_TEST))
 def test_two_processes_with_cpu_profile(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
@@ -68,6 +70,7 @@ def test_two_processes_with_cpu_profile(script, data_dir, tmp_path):
     assert len(epoch_lines) == len(read_metrics(output_dir))  # printed by the main process only
 
 
+@pytest.mark.smoke
 def test_cpu_gloo_with_the_cpu_profile_as_is_trains_as_four_processes(data_dir, tmp_path):
     result = run(launch_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--num_epochs", "1"), cwd=tmp_path)
     record = read_metrics(tmp_path / "run")[0]
@@ -146,6 +149,14 @@ notebook_launcher(main, args=(["--output_dir", {str(tmp_path / "run")!r}],), num
     assert records[-1]["world_size"] == 2
     assert records[-1]["eval_accuracy"] == 1.0 and records[-1]["train_eval_accuracy"] == 1.0
     assert torch.equal(torch.tensor([r["eval_samples"] for r in records]), torch.tensor([2, 2, 2]))
+
+
+@pytest.mark.smoke
+def test_a_mistake_ends_in_one_sentence(tmp_path):
+    result = run(python_command("cpu_gloo.py", "--batch_size", "0", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr == (
+        "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes.\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_help_keeps_the_example_commands_on_their_own_lines():

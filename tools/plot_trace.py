@@ -1,0 +1,77 @@
+"""Draw one profiled step of each process from --profile's traces: where backward runs, and where
+DDP's all-reduce of the gradient buckets runs beside it.
+
+    python tools/plot_trace.py runs/mnist_conv/profile [runs/other/profile ...] -o step.png
+
+For each trace_rank<N>.json in the folders, the last recorded step: one row for the main thread's
+phases (forward, backward, all-reduce wait, optimizer) and one row for the all-reduces the
+communication thread ran (gloo's or NCCL's), on the same time axis from the step's start.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
+
+
+def last_step(trace):
+    """(start, duration) of the trace's last ProfilerStep and the spans to draw in it, in ms from its start."""
+    events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
+    step = max((event for event in events if event["name"].startswith("ProfilerStep#")), key=lambda event: event["ts"])
+    start, end = step["ts"], step["ts"] + step["dur"]
+    inside = [event for event in events if start <= event["ts"] < end]
+
+    def spans(test):
+        return [((event["ts"] - start) / 1000, event["dur"] / 1000) for event in inside if test(event["name"])]
+
+    autograd = spans(lambda name: name.startswith("autograd::engine::evaluate_function"))
+    backward = [(min(s for s, _ in autograd), max(s + d for s, d in autograd) - min(s for s, _ in autograd))] if autograd else []
+    forward = spans(lambda name: name == "DistributedDataParallel.forward") or spans(lambda name: name == "forward")
+    return step["dur"] / 1000, {
+        "forward": forward,
+        "backward": backward,
+        "optimizer": spans(lambda name: name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))),
+        "all-reduce": spans(lambda name: name in ("gloo:all_reduce", "nccl:all_reduce")),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profile_dirs", nargs="+", help="the profile/ folders of runs made with --profile")
+    parser.add_argument("-o", "--output", default="step.png")
+    args = parser.parse_args()
+    traces = []
+    for folder in args.profile_dirs:
+        found = sorted(Path(folder).glob("trace_rank*.json"))
+        if not found:
+            sys.exit(f"error: {folder} holds no trace_rank*.json: pass the profile/ folder of a run made with --profile.")
+        traces += found
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(traces), 1, figsize=(12, 1.6 * len(traces) + 0.6), squeeze=False)
+    for axis, path in zip(axes[:, 0], traces):
+        length, phases = last_step(json.loads(path.read_text()))
+        for row, names in ((1, ("forward", "backward", "optimizer")), (0, ("all-reduce",))):
+            for name in names:
+                axis.broken_barh(phases[name], (row - 0.35, 0.7), color=COLORS[name], label=name)
+        axis.set_yticks([0, 1], ["communication", "main thread"])
+        axis.set_xlim(0, length)
+        axis.set_title(f"{path.parent.parent.name}, {path.stem.replace('trace_', '')}: one step, {length:.1f} ms", fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel("ms from the start of the step")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    figure.legend(unique.values(), unique.keys(), loc="upper right", ncol=4, fontsize=9)
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.output, dpi=110)
+    print(f"Wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
