@@ -54,3 +54,20 @@ def test_step_cost_benchmark_times_every_loop():
     result = run([sys.executable, BENCHMARKS / "step_cost.py", "--processes", "2", "--steps", "3", "--blocks", "2"], cwd=REPO)
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 2 |")]
     assert row.count("|") == 6 and row.count("(+") == 3, result.stdout  # the plain step and the cost of each of three additions
+
+
+def test_startup_benchmark_times_every_command():
+    result = run([sys.executable, BENCHMARKS / "startup.py", "--rounds", "1"], cwd=REPO)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "CPU s" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| import torch, accelerate", "| + import torch._dynamo", "| cpu_gloo.py --help",
+                                                     "| cpu_gloo.py --max_train_steps 5", "| cpu_gloo.py --num_epochs 1"], result.stdout
+    assert rows[0].endswith("| 1.00x |")
+
+
+def test_comm_hooks_benchmark_runs_each_hook(data_dir, tmp_path):
+    result = run([sys.executable, BENCHMARKS / "comm_hooks.py", "--data_dir", data_dir, "--processes", "2", "--hooks", "no", "fp16",
+                  "--rounds", "1", "--output", tmp_path / "hooks.json"], cwd=REPO)
+    rows = json.loads((tmp_path / "hooks.json").read_text())
+    assert {(row["processes"], row["hook"]) for row in rows} == {(2, "no"), (2, "fp16")}
+    assert all(row["step_ms"] > 0 and 0.1 < row["accuracy"] <= 1 for row in rows), rows
+    assert [line.split(" | ")[1] for line in result.stdout.splitlines() if line.startswith("| 2 |")] == ["no", "fp16"], result.stdout

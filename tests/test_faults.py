@@ -207,10 +207,13 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
     output_dir = tmp_path / "run"
     args = ["--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200", "--log_interval", "1000"]
     live = subprocess.Popen([str(part) for part in training_command(num_processes, *args)], cwd=tmp_path, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = psutil.Process(live.pid)  # the training process itself at 1 process
     try:
         wait_for_metrics(live, output_dir)
-        holder = rank_process(psutil.Process(live.pid), 0)
+        holder = rank_process(launcher, 0)
+        for process in [launcher, *launcher.children(recursive=True)]:  # paused, alive, holding its folder: the cores go to the launches below
+            process.suspend()
         for extra in (["--overwrite_output_dir"], []):
             before = (output_dir / "metrics.jsonl").read_text()
             second = run(training_command(num_processes, *args, *extra), cwd=tmp_path, check=False)
@@ -220,7 +223,8 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
             assert (output_dir / "metrics.jsonl").read_text().startswith(before), "the live run's records are all there"
             assert live.poll() is None, "the live run goes on"
     finally:
-        os.killpg(live.pid, signal.SIGKILL)
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.kill()
         live.communicate()
     run(training_command(num_processes, *args[:-4], "--num_epochs", "1", "--overwrite_output_dir"), cwd=tmp_path)
     assert [r["epoch"] for r in read_metrics(output_dir)] == [1]

@@ -76,45 +76,39 @@ def test_two_node_profile_has_placeholders_to_fill():
     assert "MAIN_NODE_ADDRESS" in text and re.search(r"machine_rank: 0 +# PLACEHOLDER", text)
 
 
-def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4, pipeline="torchvision"):
-    folder = tmp_path / pipeline
-    folder.mkdir()
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, PROBE, folder, num_samples, batch_size, pipeline]
+def launch_probe(tmp_path, *launch_flags, num_samples=96, batch_size=4):
+    """Each process's report of what it drew through both data pipelines."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, PROBE, tmp_path, num_samples, batch_size]
     run(command, cwd=tmp_path)
-    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
+    return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
 
 
-@pytest.mark.parametrize("pipeline", ["torchvision", "memory"])
-def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path, pipeline):
+def test_cpu_profile_starts_one_gloo_group_with_disjoint_covering_shards(tmp_path):
     """The profile as it is (4 processes), both data pipelines: over one epoch each sample is drawn
     exactly once across the ranks, the order changes between epochs, and every rank agrees on it.
     (--num_processes overriding the profile: the ragged-end test below, and most launches in tests.)"""
-    reports = launch_probe(tmp_path, "--config_file", CONFIGS / "cpu.yaml", pipeline=pipeline)
+    reports = launch_probe(tmp_path, "--config_file", CONFIGS / "cpu.yaml")
     world_size = 4
     assert [r["rank"] for r in reports] == list(range(world_size))
     for report in reports:
         assert report["world_size"] == report["group_size"] == world_size
         assert report["backend"] == "gloo"
-    for epoch in ("1", "2"):
-        shards = [sum(r["epochs"][epoch], []) for r in reports]
-        drawn = sum(shards, [])
-        assert sorted(drawn) == list(range(96)), "disjoint, and together the whole training set"
-        assert all(len(shard) == 96 // world_size for shard in shards)
-    assert reports[0]["epochs"]["1"] != reports[0]["epochs"]["2"], "reshuffled every epoch"
-    assert len({json.dumps(r["all_first_batches"]) for r in reports}) == 1
+    for pipeline in ("torchvision", "memory"):
+        for epoch in ("1", "2"):
+            shards = [sum(r["epochs"][pipeline][epoch], []) for r in reports]
+            drawn = sum(shards, [])
+            assert sorted(drawn) == list(range(96)), f"{pipeline}: disjoint, and together the whole training set"
+            assert all(len(shard) == 96 // world_size for shard in shards)
+        assert reports[0]["epochs"][pipeline]["1"] != reports[0]["epochs"][pipeline]["2"], "reshuffled every epoch"
+        assert len({json.dumps(r["all_first_batches"][pipeline]) for r in reports}) == 1
 
 
 def test_both_pipelines_shard_identically_with_a_ragged_end(tmp_path):
     """100 samples over 3 processes in batches of 8: the in-memory loader tops up the last batches
     from the start of the epoch's order exactly as accelerate's prepared DataLoader does."""
-    flags = ["--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3"]
-    reports = {
-        pipeline: launch_probe(tmp_path, *flags, num_samples=100, batch_size=8, pipeline=pipeline)
-        for pipeline in ("torchvision", "memory")
-    }
-    for pipeline_reports in reports.values():  # --num_processes 3 overrides the profile's 4
-        assert [(r["rank"], r["group_size"]) for r in pipeline_reports] == [(0, 3), (1, 3), (2, 3)]
-    by_pipeline = {pipeline: [r["epochs"] for r in pipeline_reports] for pipeline, pipeline_reports in reports.items()}
+    reports = launch_probe(tmp_path, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", num_samples=100, batch_size=8)
+    assert [(r["rank"], r["group_size"]) for r in reports] == [(0, 3), (1, 3), (2, 3)]  # --num_processes 3 overrides the profile's 4
+    by_pipeline = {pipeline: [r["epochs"][pipeline] for r in reports] for pipeline in ("memory", "torchvision")}
     assert by_pipeline["memory"] == by_pipeline["torchvision"]
     drawn = sorted(sum((sum(epochs["1"], []) for epochs in by_pipeline["memory"]), []))
     assert len(drawn) == 3 * 5 * 8 and set(drawn) == set(range(100))  # 20 samples drawn twice

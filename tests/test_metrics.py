@@ -37,9 +37,9 @@ def trained(data_dir, tmp_path_factory):
     return output_dir
 
 
-@pytest.mark.parametrize("num_processes", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_processes", [1, 2, 3])
 def test_every_eval_sample_counted_once_at_any_world_size(num_processes, trained, data_dir, tmp_path):
-    # 200 eval samples in batches of 7: uneven shards and uneven last batches at 2, 3 and 4 processes.
+    # 200 eval samples in batches of 7: uneven shards and uneven last batches at 2 and 3 processes.
     accuracy, loss, count = single_process_evaluation(trained / "model.safetensors", data_dir)
     assert 0.1 < accuracy < 0.95
     run(launch_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "eval", "--eval_only",
