@@ -233,18 +233,11 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     args = ["--data_dir", small_data, *FLAGS, "--num_epochs", "4"]  # 256 steps: each phase has room
     single = tmp_path / "single"
     run(launch("--output_dir", single, *args), cwd=tmp_path)
-
-    together = tmp_path / "together"
-    machines = start_machines(hosts, tmp_path, "--output_dir", together, *args)
-    for machine in machines:
-        _, stderr = finish(machine, 240)
-        assert machine.returncode == 0, stderr[-3000:]
     assert_world_size(single)
-    assert_world_size(together)
-    assert_same_weights(weights(single), weights(together))
 
-    # The link goes down mid-run: both hosts stop within --ddp_timeout (and the launcher's own
-    # shutdown), never hang; with the link back, the run resumes from its newest checkpoint.
+    # The two hosts train as one group; the link goes down mid-run: both hosts stop within
+    # --ddp_timeout (and the launcher's own shutdown), never hang; with the link back, the run resumes
+    # from its newest checkpoint and ends bitwise where one 2-process launch ends.
     cut = tmp_path / "cut"
     timeout_s = 10
     cut_args = [*args, "--checkpointing_steps", "20", "--ddp_timeout", str(timeout_s)]
