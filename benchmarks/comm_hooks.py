@@ -32,7 +32,7 @@ def run(processes, hook, data_dir, output_dir):
     """One run; its records, and the wall-clock seconds from launch at which each epoch was recorded."""
     command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
                "--num_processes", str(processes), str(REPO / "scripts" / "cpu_gloo.py"), "--data_dir", str(data_dir),
-               "--output_dir", str(output_dir), "--overwrite_output_dir", "--ddp_comm_hook", hook, "--log_interval", "100000"]
+               "--output_dir", str(output_dir), "--ddp_comm_hook", hook, "--log_interval", "100000"]
     metrics = Path(output_dir) / "metrics.jsonl"
     seen = []
     started = time.time()
@@ -77,7 +77,7 @@ def main():
             for processes in args.processes:
                 order = args.hooks[round_index % len(args.hooks):] + args.hooks[:round_index % len(args.hooks)]
                 for hook in order:
-                    records, seen = run(processes, hook, args.data_dir, Path(workdir) / "run")
+                    records, seen = run(processes, hook, args.data_dir, Path(workdir) / f"run{len(rows)}")  # a new folder: no earlier metrics
                     rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen)})
                     print(f"round {round_index} {processes} processes {hook}: {rows[-1]}", file=sys.stderr, flush=True)
     Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -90,6 +90,7 @@ def main(argv=None):
         weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
         results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=10)
         metrics.report_eval(results, weights, accelerator, output_dir)
+        accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
         accelerator.end_training()
         return
 
@@ -161,6 +162,7 @@ def main(argv=None):
     with runtime.stop_all_if_write_fails(output_dir / run_folder.MODEL_FILE, "free space or fix the folder, and train again."):
         accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
     accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
+    accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
     accelerator.end_training()
 
 

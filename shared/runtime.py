@@ -1,6 +1,7 @@
 """Process-level plumbing: picking CPU or GPU, and turning user mistakes into one sentence."""
 
 import contextlib
+import gc
 import hashlib
 import os
 import shutil
@@ -74,7 +75,10 @@ def distributed_kwargs(ddp_timeout, comm_hook="no", bucket_cap_mb=None):
         ddp["comm_state_option"] = {"start_powerSGD_iter": 2}
     if bucket_cap_mb:
         ddp["bucket_cap_mb"] = bucket_cap_mb
-    if int(os.environ.get("WORLD_SIZE", "1")) >= 3:  # WORLD_SIZE: set by every launcher
+    # Not under PowerSGD, whose resume is not bitwise anyway: its compressed all-reduces, started from
+    # the callbacks of earlier ones, then cross the map's all-reduce in another order on each process,
+    # which gloo ends in a size mismatch (measured: cpu_gloo.py at 4 processes, every run).
+    if int(os.environ.get("WORLD_SIZE", "1")) >= 3 and "power_sgd" not in comm_hook:  # WORLD_SIZE: set by every launcher
         ddp["find_unused_parameters"] = True
     return [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)), DistributedDataParallelKwargs(**ddp)]
 
@@ -228,11 +232,18 @@ def first_line(error):
 def run_main(main):
     """Run a script's main(); a UserError ends the process with its sentence and exit code 1, Ctrl-C
     with one line and exit code 130, and either removes what the run had made (remove_if_run_fails).
-    SHOW_TRACEBACK=1 in the environment adds the full traceback to a sentence, for bug reports."""
+    SHOW_TRACEBACK=1 in the environment adds the full traceback to a sentence, for bug reports.
+
+    After main() the garbage left in cycles is collected while the interpreter is whole: DDP holds the
+    process group until the model is freed, and a gloo process group destroyed during interpreter
+    shutdown lets its worker threads reach for a Python that is gone, which aborts the process
+    ("terminate called without an active exception") after the run had saved everything. The scripts
+    call accelerator.free_memory() for the same reason."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
         main()
+        gc.collect()
     except UserError as error:
         remove_what_the_failed_run_made()
         print_traceback_if_asked()

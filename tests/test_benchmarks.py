@@ -65,9 +65,11 @@ def test_startup_benchmark_times_every_command():
 
 
 def test_comm_hooks_benchmark_runs_each_hook(data_dir, tmp_path):
-    result = run([sys.executable, BENCHMARKS / "comm_hooks.py", "--data_dir", data_dir, "--processes", "2", "--hooks", "no", "fp16",
+    """At 4 processes: PowerSGD beside the fixed gradient layout of 3+ processes ended every run in a
+    gloo size mismatch, so the layout stays off under it (shared/runtime.py)."""
+    result = run([sys.executable, BENCHMARKS / "comm_hooks.py", "--data_dir", data_dir, "--processes", "4", "--hooks", "no", "power_sgd",
                   "--rounds", "1", "--output", tmp_path / "hooks.json"], cwd=REPO)
     rows = json.loads((tmp_path / "hooks.json").read_text())
-    assert {(row["processes"], row["hook"]) for row in rows} == {(2, "no"), (2, "fp16")}
+    assert {(row["processes"], row["hook"]) for row in rows} == {(4, "no"), (4, "power_sgd")}
     assert all(row["step_ms"] > 0 and 0.1 < row["accuracy"] <= 1 for row in rows), rows
-    assert [line.split(" | ")[1] for line in result.stdout.splitlines() if line.startswith("| 2 |")] == ["no", "fp16"], result.stdout
+    assert [line.split(" | ")[1] for line in result.stdout.splitlines() if line.startswith("| 4 |")] == ["no", "power_sgd"], result.stdout
