@@ -3,9 +3,7 @@
 A one-process `python scripts/X.py` run of a training script is a fork of the test process, which
 has already imported what the scripts import (torch, accelerate, shared/): a new interpreter would
 spend about 3 s of CPU on those imports. scripts/launch.py, `accelerate launch`, the training
-processes a launcher starts, and every other command start new interpreters: a forked launcher
-(torch's elastic agent) ended one to three launches of each full suite with "terminate called
-without an active exception", which no launcher started as users start it has done.
+processes a launcher starts, and every other command start new interpreters, as users start them.
 """
 
 import atexit
