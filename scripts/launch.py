@@ -114,8 +114,9 @@ def stopped(what, exitcode):
 
 
 def how_it_ended(exitcode):
-    if exitcode == -6:  # NCCL's watchdog ends a process whose collective waited --ddp_timeout in vain
-        return "was killed by signal 6 (SIGABRT: under NCCL, its watchdog after a collective waited --ddp_timeout for another process)"
+    if exitcode == -6:  # an abort in C++; NCCL's watchdog ends a process whose collective waited --ddp_timeout in vain this way
+        return ("was killed by signal 6 (SIGABRT: an abort in PyTorch's C++ code; under NCCL, its watchdog after a collective "
+                "waited --ddp_timeout for another process)")
     if exitcode < 0:
         return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
