@@ -15,13 +15,13 @@ rounds with their range, ratios against no hook taken within each round.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from time_to_accuracy import timed_epochs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = ("no", "fp16", "bf16", "power_sgd")
@@ -30,24 +30,10 @@ TARGET = 0.87  # eval accuracy on the real-digit subset, as time_to_accuracy.py 
 
 def run(processes, hook, data_dir, output_dir):
     """One run; its records, and the wall-clock seconds from launch at which each epoch was recorded."""
-    command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
-               "--num_processes", str(processes), str(REPO / "scripts" / "cpu_gloo.py"), "--data_dir", str(data_dir),
-               "--output_dir", str(output_dir), "--ddp_comm_hook", hook, "--log_interval", "100000"]
-    metrics = Path(output_dir) / "metrics.jsonl"
-    seen = []
-    started = time.time()
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    while True:
-        finished = job.poll() is not None
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        seen += [time.time() - started] * (len(lines) - len(seen))
-        if finished:
-            if job.returncode:
-                sys.exit(f"{' '.join(command)} failed:\n{job.stderr.read()[-3000:]}")
-            records = [json.loads(line) for line in lines]
-            assert {record["world_size"] for record in records} == {processes}, "one group of the asked size"
-            return records, seen
-        time.sleep(0.02)
+    command = [sys.executable, REPO / "scripts" / "launch.py", "--config_file", REPO / "accelerate_configs" / "cpu.yaml",
+               "--num_processes", processes, REPO / "scripts" / "cpu_gloo.py", "--data_dir", data_dir,
+               "--output_dir", output_dir, "--ddp_comm_hook", hook, "--log_interval", "100000"]
+    return timed_epochs(command, output_dir, processes)
 
 
 def measure(records, seen):
@@ -77,7 +63,7 @@ def main():
             for processes in args.processes:
                 order = args.hooks[round_index % len(args.hooks):] + args.hooks[:round_index % len(args.hooks)]
                 for hook in order:
-                    records, seen = run(processes, hook, args.data_dir, Path(workdir) / f"run{len(rows)}")  # a new folder: no earlier metrics
+                    records, seen = run(processes, hook, args.data_dir, Path(workdir) / "run")
                     rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen)})
                     print(f"round {round_index} {processes} processes {hook}: {rows[-1]}", file=sys.stderr, flush=True)
     Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -46,6 +46,32 @@ TARGETS = {"mnist_conv.py": 0.95, "seq_net.py": 0.92, "cpu_gloo.py": 0.87}
 PROCESSES = (1, 2)
 
 
+def timed_epochs(command, output_dir, processes, stop=lambda record: False):
+    """Launch command and watch output_dir's metrics.jsonl: its records, and the seconds from launch at
+    which each appeared, once the run ends or a record meets `stop` (the run is then killed)."""
+    shutil.rmtree(output_dir, ignore_errors=True)  # an earlier round's metrics.jsonl would stop the clock at once
+    metrics = Path(output_dir) / "metrics.jsonl"
+    seen = []
+    started = time.time()
+    job = subprocess.Popen([str(part) for part in command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    try:
+        while True:
+            finished = job.poll() is not None  # read once more after the job ends: its last epoch may be new
+            records = throughput.read_metrics(output_dir) if metrics.exists() else []
+            seen += [time.time() - started] * (len(records) - len(seen))
+            assert all(record["world_size"] == processes for record in records), f"{command} trained as another number of processes"
+            if any(stop(record) for record in records) or finished:
+                if finished and job.returncode:
+                    sys.exit(f"{' '.join(map(str, command))} failed:\n{job.stderr.read()[-3000:]}")
+                return records, seen
+            time.sleep(0.02)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
 def script_time(script, processes, data_dir, target, max_epochs, output_dir):
     """Seconds from launch to the first epoch at or above target, and that epoch (None, None if none did)."""
     command = [sys.executable, str(REPO / "scripts" / script), "--data_dir", str(data_dir), "--output_dir", str(output_dir),
@@ -53,28 +79,8 @@ def script_time(script, processes, data_dir, target, max_epochs, output_dir):
     if processes > 1:
         command[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
                         "--num_processes", str(processes)]
-    shutil.rmtree(output_dir, ignore_errors=True)  # an earlier round's metrics.jsonl would stop the clock at once
-    metrics = Path(output_dir) / "metrics.jsonl"
-    started = time.time()
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                           env={**os.environ, "TQDM_DISABLE": "1"})
-    try:
-        while True:
-            finished = job.poll() is not None  # read once more after the job ends: its last epoch may be new
-            records = throughput.read_metrics(output_dir) if metrics.exists() else []
-            hit = next((r for r in records if r["eval_accuracy"] >= target), None)
-            if hit:
-                assert hit["world_size"] == processes, f"{script} trained as {hit['world_size']} processes, not {processes}"
-                return time.time() - started, hit["epoch"]
-            if finished:
-                if job.returncode:
-                    sys.exit(f"{' '.join(command)} failed:\n{job.stderr.read()[-3000:]}")
-                return None, None
-            time.sleep(0.02)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+    records, seen = timed_epochs(command, output_dir, processes, stop=lambda record: record["eval_accuracy"] >= target)
+    return next(((wall, record["epoch"]) for record, wall in zip(records, seen) if record["eval_accuracy"] >= target), (None, None))
 
 
 def tutorial_time(script, processes, data_dir, target, max_epochs):
