@@ -1,28 +1,24 @@
-"""Fixtures and launch helpers: every test runs the scripts as a user would, in a process of their own.
+"""Fixtures and launch helpers: every test runs the scripts as a user would, in processes of their own.
 
-A one-process `python scripts/X.py` run of a training script is a fork of the test process, which
-has already imported what the scripts import (torch, accelerate, shared/): a new interpreter would
-spend about 3 s of CPU on those imports. scripts/launch.py, `accelerate launch`, the training
-processes a launcher starts, and every other command start new interpreters, as users start them.
+Most tests' Python processes are forks of a fork server (fork_server.py) that has already imported
+torch and accelerate, which a new interpreter spends about 4 s of CPU on: `python ...` in run(), and
+the training processes that torchrun starts (PYTHON_EXEC). Each fork takes the place of the process
+its launcher started (streams, environment, signals, exit code) and runs where a new interpreter
+would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier, the GPU tier
+and the tests marked new_interpreters start every process as a new interpreter, as users start them.
 """
 
-import atexit
-import importlib
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 
-# What the scripts' processes get (script_env), set before anything imports torch, so that a forked
-# run sees the same settings at import time as a new interpreter would.
+# What the scripts' processes get (script_env), set before anything imports torch.
 SCRIPT_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
 os.environ.update(SCRIPT_ENV)
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -31,99 +27,71 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 CONFIGS = REPO / "accelerate_configs"
 TOOLS = REPO / "tools"
+TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(TESTS))
 
 from datagen import write_small_mnist  # noqa: E402
 
 TIMEOUT = 300
+# One fork server per import-time environment the tests' processes have: scripts/launch.py gives its
+# training processes TORCH_CPP_LOG_LEVEL=ERROR.
+FORK_SERVER_ENVS = ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR"})
+NEW_INTERPRETER_MARKS = ("smoke", "gpu", "new_interpreters")
+forks = {}  # while a test may use forks: the fork client's executable and the servers' folder
+
+
+@pytest.fixture(scope="session")
+def fork_servers(tmp_path_factory):
+    """Starts the fork servers; from then on the tests' processes are forks (see process_start).
+    Module fixtures that run the scripts ask for it too."""
+    folder = tmp_path_factory.mktemp("fork_servers")
+    client = folder / "python"
+    client.write_text(f"#!/bin/sh\nexec '{sys.executable}' -S -E '{TESTS / 'fork_client.py'}' '{sys.executable}' \"$@\"\n")
+    client.chmod(0o755)
+    servers = [subprocess.Popen([sys.executable, TESTS / "fork_server.py", folder], env={**os.environ, **extra}, start_new_session=True)
+               for extra in FORK_SERVER_ENVS]
+    deadline = time.monotonic() + TIMEOUT
+    while len(list(folder.glob("*.sock"))) < len(servers):
+        assert all(server.poll() is None for server in servers) and time.monotonic() < deadline, "a fork server did not start"
+        time.sleep(0.1)
+    forks.update(PYTHON_EXEC=str(client), FORK_SERVER_DIR=str(folder))
+    yield
+    forks.clear()
+    for server in servers:
+        os.killpg(server.pid, signal.SIGKILL)  # the server, and any fork a test left behind
+        server.wait()
+
+
+@pytest.fixture(autouse=True)
+def process_start(request):
+    """Forks for this test's processes, unless it is marked to start new interpreters."""
+    if not any(request.node.get_closest_marker(mark) for mark in NEW_INTERPRETER_MARKS):
+        request.getfixturevalue("fork_servers")
+        yield
+        return
+    allowed = dict(forks)
+    forks.clear()
+    yield
+    forks.update(allowed)
 
 
 def script_env():
-    """The environment of a script's process: this one's, which SCRIPT_ENV was applied to above."""
-    return dict(os.environ)
+    """The environment of a script's process: this one's, which SCRIPT_ENV was applied to above, and
+    where the test allows it, the fork client as torchrun's Python."""
+    return {**os.environ, **forks}
 
 
 def run(command, cwd, check=True, env=None, new_interpreter=False):
-    """Run a command; on an unexpected exit code, fail with its output.
-
-    `python scripts/X.py ...` of a training script with the scripts' environment runs in a fork of
-    this process unless new_interpreter is set; everything else starts as a new process.
-    """
+    """Run a command; on an unexpected exit code, fail with its output. A `python ...` command runs
+    through the fork client where the test allows it, unless new_interpreter is set."""
     command = [str(part) for part in command]
-    is_training_script = (len(command) > 1 and command[0] == sys.executable and Path(command[1]).parent == SCRIPTS
-                          and Path(command[1]).name != "launch.py")
-    if is_training_script and env is None and not new_interpreter:
-        result = run_script_in_fork(command[1], command[2:], cwd)
-    else:
-        result = subprocess.run(command, cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    if command[0] == sys.executable and forks and not new_interpreter:
+        command[0] = forks["PYTHON_EXEC"]
+    result = subprocess.run(command, cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if check and result.returncode != 0:
         pytest.fail(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result
-
-
-# What the scripts import, loaded into this process before the first fork; torch._dynamo because
-# every optimizer's first add_param_group imports it (half of the 3 s).
-SCRIPT_IMPORTS = ("accelerate", "safetensors.torch", "torch._dynamo", "tqdm.auto", "shared.checkpoints", "shared.cli",
-                  "shared.data", "shared.metrics", "shared.run_folder", "shared.runtime", "shared.tracking")
-
-
-def run_script_in_fork(script, args, cwd):
-    """`python script args` in cwd, as a fork of this process; the result as subprocess.run gives it."""
-    for name in SCRIPT_IMPORTS:
-        importlib.import_module(name)
-    command = [sys.executable, script, *args]
-    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        pid = os.fork()
-        if pid == 0:  # the child: become `python script args`; at its end run its own exit handlers, not this process's
-            exit_code = 1
-            atexit._clear()
-            try:
-                os.dup2(stdout.fileno(), 1)
-                os.dup2(stderr.fileno(), 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.chdir(cwd)
-                sys.argv = [script, *args]
-                sys.path[0] = str(Path(script).parent)
-                exit_code = run_as_main(script)
-            finally:
-                atexit._run_exitfuncs()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(exit_code)
-        exit_code = wait_for(pid, command)
-        stdout.seek(0)
-        stderr.seek(0)
-        return subprocess.CompletedProcess(command, exit_code, stdout.read(), stderr.read())
-
-
-def run_as_main(script):
-    """Run a file as __main__; the exit code the interpreter would give."""
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit:
-        if exit.code is None or isinstance(exit.code, int):
-            return exit.code or 0
-        print(exit.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def wait_for(pid, command):
-    """The child's exit code; after TIMEOUT seconds it is killed, as subprocess.run would."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise subprocess.TimeoutExpired(command, TIMEOUT)
 
 
 def python_command(script, *args):

@@ -56,7 +56,7 @@ def rank_process(launcher, rank):
 
 
 @pytest.fixture(scope="module")
-def reference(small_data, tmp_path_factory):
+def reference(small_data, tmp_path_factory, fork_servers):
     """Uninterrupted runs with FLAGS at 1 and 2 processes, made once: what every recovered run must equal."""
     made = {}
 
@@ -199,6 +199,7 @@ def wait_for_metrics(job, output_dir):
         time.sleep(0.05)
 
 
+@pytest.mark.new_interpreters  # suspends the live run's processes, which a fork's stand-in cannot pass on
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_processes, small_data, tmp_path):
     """While a run trains, a second launch into its --output_dir, with --overwrite_output_dir or

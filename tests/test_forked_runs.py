@@ -1,9 +1,15 @@
-"""The tests' `python scripts/X.py` runs are forks of the test process (conftest.run), to save each
-the 3 s of importing torch and the rest: a fork ends as a new interpreter does."""
+"""Most tests' processes are forks of a fork server (conftest.py, fork_server.py), to save each the 4 s
+of importing torch and the rest: a forked run ends as new interpreters end, and a fork takes its
+client's place for the launcher that watches it."""
 
+import signal
+import subprocess
+import sys
+
+import psutil
 import pytest
 
-from conftest import python_command, read_metrics, run
+from conftest import forks, launch_command, python_command, read_metrics, run, script_env
 from test_features import assert_same_records, assert_same_weights, weights
 
 
@@ -16,13 +22,40 @@ def test_a_forked_run_fails_as_a_new_interpreter_would(flags, tmp_path):
     assert forked.stderr == fresh.stderr and forked.stderr.startswith("error: ")
 
 
-def test_a_forked_run_trains_as_a_new_interpreter_would(data_dir, tmp_path):
+def test_an_uncaught_exception_ends_a_fork_as_it_ends_an_interpreter(tmp_path):
+    command = [sys.executable, "-c", "import torch\nraise ValueError(torch.__name__)"]
+    forked = run(command, cwd=tmp_path, check=False)
+    fresh = run(command, cwd=tmp_path, check=False, new_interpreter=True)
+    assert forked.returncode == fresh.returncode == 1
+    assert forked.stderr == fresh.stderr == 'Traceback (most recent call last):\n  File "<string>", line 2, in <module>\nValueError: torch\n'
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_path):
+    """1 process: `python scripts/cpu_gloo.py` forked; 2: scripts/launch.py and both training processes forked."""
     runs = {}
     for name, new_interpreter in (("forked", False), ("fresh", True)):
         runs[name] = tmp_path / name
-        run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", runs[name], "--num_epochs", "1",
-                           "--checkpointing_steps", "epoch"), cwd=tmp_path, new_interpreter=new_interpreter)
+        args = ["--data_dir", data_dir, "--output_dir", runs[name], "--num_epochs", "1", "--checkpointing_steps", "epoch"]
+        command = python_command("cpu_gloo.py", *args) if processes == 1 else launch_command("cpu_gloo.py", *args, num_processes=2)
+        env = None if not new_interpreter else {key: value for key, value in script_env().items() if key not in forks}
+        run(command, cwd=tmp_path, new_interpreter=new_interpreter, env=env)
     files = {name: sorted(path.relative_to(folder) for path in folder.rglob("*")) for name, folder in runs.items()}
     assert files["forked"] == files["fresh"]
     assert_same_weights(weights(runs["forked"]), weights(runs["fresh"]))
     assert_same_records(read_metrics(runs["forked"]), read_metrics(runs["fresh"]))
+    assert read_metrics(runs["forked"])[-1]["world_size"] == processes
+
+
+def test_a_signal_to_a_forks_stand_in_reaches_the_fork_and_killing_the_stand_in_kills_the_fork(tmp_path):
+    """What a launcher sees of the process it started: the fork client, which passes signals on and ends as the fork ended."""
+    probe = tmp_path / "wait.py"
+    probe.write_text("import os, signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *_: sys.exit(7))\n"
+                     "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    for stop, exit_code in ((signal.SIGUSR1, 7), (signal.SIGKILL, -signal.SIGKILL)):
+        client = subprocess.Popen([forks["PYTHON_EXEC"], "-u", probe], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, text=True)
+        fork = psutil.Process(int(client.stdout.readline()))
+        assert fork.pid != client.pid and fork not in psutil.Process(client.pid).children(recursive=True)
+        client.send_signal(stop)
+        assert client.wait(timeout=30) == exit_code
+        fork.wait(timeout=30)  # gone: psutil raises TimeoutExpired while it runs

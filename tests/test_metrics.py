@@ -30,7 +30,7 @@ def single_process_evaluation(weights, data_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory):
+def trained(data_dir, tmp_path_factory, fork_servers):
     # A small lr leaves the accuracy well between 0 and 1, so a duplicated or lost sample shows.
     output_dir = tmp_path_factory.mktemp("metrics") / "run"
     run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", output_dir, "--num_epochs", "1", "--lr", "0.001"), cwd=output_dir.parent)

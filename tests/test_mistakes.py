@@ -25,7 +25,7 @@ def launch(*args):
 
 
 @pytest.fixture(scope="module")
-def place(tmp_path_factory):
+def place(tmp_path_factory, fork_servers):
     """A working folder with data, earlier runs, and the broken things users point the scripts at."""
     root = tmp_path_factory.mktemp("mistakes")
     write_small_mnist(root / "data", "MNIST", num_train=256, num_test=64)

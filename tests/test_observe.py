@@ -13,7 +13,7 @@ PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop"
 
 
 @pytest.fixture(scope="module")
-def two_process_run(data_dir, tmp_path_factory):
+def two_process_run(data_dir, tmp_path_factory, fork_servers):
     """cpu_gloo on 2 processes, 2 epochs of 32 steps, with nothing observed: what the observed runs must equal."""
     output_dir, _ = train("cpu_gloo.py", tmp_path_factory.mktemp("plain"), "run", "--num_epochs", "2", num_processes=2, data_dir=data_dir)
     return output_dir

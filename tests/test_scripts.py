@@ -50,7 +50,7 @@ def test_one_process_with_python(script, data_dir, tmp_path):
     _, flags, min_accuracy = SCRIPTS_UNDER_TEST[script]
     output_dir = tmp_path / "run"
     command = python_command(script, *data_flags(script, data_dir), "--output_dir", output_dir, *flags)
-    result = run(command, cwd=tmp_path, new_interpreter=True)  # the other tests' one-process runs are forks
+    result = run(command, cwd=tmp_path)
     assert_trained(output_dir, script, 1, min_accuracy)
     assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
     assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in result.stdout

@@ -1,0 +1,73 @@
+"""`python ARGS` for the tests, as a fork of a fork server (fork_server.py) that has already imported
+torch and accelerate, or as a new interpreter where no server can stand in for one.
+
+conftest.py writes an executable `python` that runs this file with `-S -E` (the standard library
+only, a few milliseconds) and hands it to the scripts as PYTHON_EXEC, torchrun's executable for the
+training processes. This process stays the one its launcher started and watches: it passes its
+standard streams, arguments, environment and folder to the server, forwards the signals it gets to
+the fork, and ends as the fork ended (its exit code, or killed by the same signal). If it is killed
+itself, the server kills the fork.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Read by torch or OpenMP when torch is imported: a fork has the values of the server it came from.
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+                   "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD", "LD_LIBRARY_PATH")
+
+
+def server_socket(folder, environ):
+    """The socket of the server whose import-time environment is environ's."""
+    values = json.dumps([environ.get(name) for name in IMPORT_TIME_ENV]).encode()
+    return os.path.join(folder, hashlib.sha1(values).hexdigest()[:16] + ".sock")
+
+
+def main():
+    python, argv = sys.argv[1], sys.argv[2:]
+    fork, pending = [], []
+
+    def forward(signum, frame):
+        if not fork:
+            pending.append(signum)
+            return
+        try:
+            os.kill(fork[0], signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    try:
+        connection = socket.socket(socket.AF_UNIX)
+        connection.connect(server_socket(os.environ["FORK_SERVER_DIR"], os.environ))
+        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        socket.send_fds(connection, [struct.pack("!I", len(request))], [0, 1, 2])
+        connection.sendall(request)
+        replies = connection.makefile("rb")
+        reply = json.loads(replies.readline() or b'{"new_interpreter": true}')
+    except (OSError, KeyError):  # no server for this environment
+        reply = {"new_interpreter": True}
+    if reply.get("new_interpreter"):  # exec sets the forwarding handlers back to the default
+        os.execv(python, [python, *argv])
+    fork.append(reply["pid"])
+    for signum in pending:
+        forward(signum, None)
+    end = json.loads(replies.readline())
+    if end["exit_code"] < 0:  # killed by a signal: end the same way
+        signum = -end["exit_code"]
+        if signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+    os._exit(end["exit_code"] & 0xFF)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The tests' fork server: `python fork_server.py FOLDER` imports what the training processes import,
+then forks a child per `python ARGS` that fork_client.py asks for, so that the few hundred processes
+a suite starts skip the 4 s of CPU that each new interpreter spends importing torch, accelerate and
+the torch._dynamo that an optimizer's first step imports (benchmarks/README.md#start-up).
+
+A fork stands in for a new interpreter only where it would run the same: the client's namespaces
+(`ip netns exec` gives another network), resource limits, user and import-time environment
+(fork_client.IMPORT_TIME_ENV) must be this server's, and the command one of `[-u] script.py`,
+`[-u] -m module` or `[-u] -c code`; otherwise the client starts a new interpreter. The child takes the
+client's streams, folder, umask, CPU set and environment, runs the command as __main__ and ends as the
+interpreter would: its exit code, the traceback of an uncaught exception, killed by SIGINT after an
+uncaught KeyboardInterrupt; non-daemon threads joined, then the exit handlers. Skipped: the
+interpreter's final clean-up of every module, so a crash that only happens there is seen only by
+tests that start new interpreters (the smoke tier and the tests marked new_interpreters).
+"""
+
+import atexit
+import importlib
+import io
+import json
+import os
+import resource
+import runpy
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import types
+
+from fork_client import server_socket
+
+PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "accelerate", "accelerate.commands.launch", "safetensors.torch",
+             "tqdm.auto")
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+LIMITS = [getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")]
+SKIPPED_FRAMES = ("<frozen runpy>", runpy.__file__, os.path.abspath(__file__))  # the frames before the command's own
+
+
+def serve(folder):
+    for name in PRELOADED:
+        importlib.import_module(name)
+    assert threading.active_count() == 1, "forks of a process with threads may deadlock"
+    path = server_socket(folder, os.environ)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".starting")
+    listener.listen(128)
+    os.rename(path + ".starting", path)  # clients find the socket only once it accepts
+    listener.settimeout(1)
+    parent = os.getppid()
+    while os.getppid() == parent:  # ends with the test process that started it
+        reap_watchers()
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            continue
+        if os.fork() == 0:
+            listener.close()
+            watch(connection)
+        connection.close()
+
+
+def reap_watchers():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def watch(connection):
+    """In a child of the server: read the request, fork the command's process (or tell the client to
+    start a new interpreter), pass on its pid, and report how it ended; exits."""
+    try:
+        header, fds, _, _ = socket.recv_fds(connection, 4, 3)
+        replies = connection.makefile("rb")
+        header += replies.read(4 - len(header))
+        request = json.loads(replies.read(struct.unpack("!I", header)[0]))
+        peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        command = parse_command(request["argv"])
+        if command is None or len(fds) != 3 or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer):
+            connection.sendall(b'{"new_interpreter": true}\n')
+            os._exit(0)
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            become(request, fds, peer, *command)
+        for fd in fds:
+            os.close(fd)
+        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        pidfd = os.pidfd_open(pid)
+        while True:
+            ready, _, _ = select.select([connection, pidfd], [], [])
+            if pidfd in ready:
+                exit_code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                connection.sendall(json.dumps({"exit_code": exit_code}).encode() + b"\n")
+                break
+            if not connection.recv(1):  # the client was killed: so is its fork
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+    finally:
+        os._exit(0)
+
+
+def parse_command(argv):
+    """(unbuffered, kind, target, args) for `[-u] script.py|-m module|-c code ARGS`; None for anything else."""
+    unbuffered = argv[:1] == ["-u"]
+    argv = argv[1:] if unbuffered else argv
+    if len(argv) >= 2 and argv[0] in ("-m", "-c"):
+        return unbuffered, argv[0], argv[1], argv[2:]
+    if argv and argv[0].endswith(".py") and not argv[0].startswith("-"):
+        return unbuffered, "script", argv[0], argv[1:]
+    return None
+
+
+def same_context(peer):
+    try:
+        return (all(os.readlink(f"/proc/{peer}/ns/{name}") == os.readlink(f"/proc/self/ns/{name}") for name in NAMESPACES)
+                and all(resource.prlimit(peer, limit) == resource.getrlimit(limit) for limit in LIMITS))
+    except OSError:
+        return False
+
+
+def become(request, fds, peer, unbuffered, kind, target, args):
+    """In the fork: take the client's place and run the command as __main__; exits."""
+    for number, fd in enumerate(fds):
+        os.dup2(fd, number)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.umask(int(next(line for line in open(f"/proc/{peer}/status") if line.startswith("Umask:")).split()[1], 8))
+    os.sched_setaffinity(0, os.sched_getaffinity(peer))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = sys.__stdout__ = output_stream(1, unbuffered, line_buffering=False, errors="strict")
+    sys.stderr = sys.__stderr__ = output_stream(2, unbuffered, line_buffering=True, errors="backslashreplace")
+    exit_code = run_as_main(kind, target, args)
+    threading._shutdown()  # as the interpreter does at its end: wait for non-daemon threads
+    atexit._run_exitfuncs()  # those of the imports the server made for it, and its own
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if exit_code == "KeyboardInterrupt":  # the interpreter ends such a run killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(exit_code)
+
+
+def output_stream(fd, unbuffered, line_buffering, errors):
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", errors=errors,
+                            line_buffering=line_buffering and not unbuffered, write_through=unbuffered)
+
+
+def run_as_main(kind, target, args):
+    """Run the command as __main__; the exit code the interpreter would give."""
+    try:
+        if kind == "script":
+            sys.argv, sys.path[0] = [target, *args], os.path.dirname(os.path.realpath(target))
+            runpy.run_path(target, run_name="__main__")
+        elif kind == "-m":
+            sys.argv, sys.path[0] = [target, *args], os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[0] = ["-c", *args], ""
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(target, "<string>", "exec"), main.__dict__)
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
+    except BaseException as error:
+        frames = error.__traceback__
+        while frames is not None and frames.tb_frame.f_code.co_filename in SKIPPED_FRAMES:
+            frames = frames.tb_next
+        sys.excepthook(type(error), error.with_traceback(frames), frames)
+        return "KeyboardInterrupt" if isinstance(error, KeyboardInterrupt) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
