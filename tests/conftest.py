@@ -4,8 +4,8 @@ Most tests' Python processes are forks of a fork server (fork_server.py) that ha
 torch and accelerate, which a new interpreter spends about 4 s of CPU on: `python ...` in run(), and
 the training processes that torchrun starts (PYTHON_EXEC). Each fork takes the place of the process
 its launcher started (streams, environment, signals, exit code) and runs where a new interpreter
-would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier, the GPU tier
-and the tests marked new_interpreters start every process as a new interpreter, as users start them.
+would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier and the GPU
+tier start every process as a new interpreter, as users start them.
 """
 
 import json
@@ -37,7 +37,7 @@ TIMEOUT = 300
 # One fork server per import-time environment the tests' processes have: scripts/launch.py gives its
 # training processes TORCH_CPP_LOG_LEVEL=ERROR.
 FORK_SERVER_ENVS = ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR"})
-NEW_INTERPRETER_MARKS = ("smoke", "gpu", "new_interpreters")
+NEW_INTERPRETER_MARKS = ("smoke", "gpu")
 forks = {}  # while a test may use forks: the fork client's executable and the servers' folder
 
 
@@ -80,6 +80,11 @@ def script_env():
     """The environment of a script's process: this one's, which SCRIPT_ENV was applied to above, and
     where the test allows it, the fork client as torchrun's Python."""
     return {**os.environ, **forks}
+
+
+def new_interpreter_env():
+    """script_env() without the fork client: torchrun starts the training processes as new interpreters."""
+    return {name: value for name, value in script_env().items() if name not in forks}
 
 
 def run(command, cwd, check=True, env=None, new_interpreter=False):

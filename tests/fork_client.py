@@ -18,14 +18,15 @@ import struct
 import sys
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# Read by torch or OpenMP when torch is imported: a fork has the values of the server it came from.
+# Read when torch, OpenMP or tqdm (its TQDM_* defaults) are imported: a fork has the server's values.
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
                    "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD", "LD_LIBRARY_PATH")
 
 
 def server_socket(folder, environ):
     """The socket of the server whose import-time environment is environ's."""
-    values = json.dumps([environ.get(name) for name in IMPORT_TIME_ENV]).encode()
+    tqdm_defaults = sorted((name, value) for name, value in environ.items() if name.startswith("TQDM_"))
+    values = json.dumps([[environ.get(name) for name in IMPORT_TIME_ENV], tqdm_defaults]).encode()
     return os.path.join(folder, hashlib.sha1(values).hexdigest()[:16] + ".sock")
 
 

@@ -11,10 +11,11 @@ client's streams, folder, umask, CPU set and environment, runs the command as __
 interpreter would: its exit code, the traceback of an uncaught exception, killed by SIGINT after an
 uncaught KeyboardInterrupt; non-daemon threads joined, then the exit handlers. Skipped: the
 interpreter's final clean-up of every module, so a crash that only happens there is seen only by
-tests that start new interpreters (the smoke tier and the tests marked new_interpreters).
+tests that start new interpreters (the smoke tier).
 """
 
 import atexit
+import gc
 import importlib
 import io
 import json
@@ -42,6 +43,7 @@ def serve(folder):
     for name in PRELOADED:
         importlib.import_module(name)
     assert threading.active_count() == 1, "forks of a process with threads may deadlock"
+    gc.freeze()  # the collector then leaves the imported objects alone, so forks do not copy their pages
     path = server_socket(folder, os.environ)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".starting")

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env, two_machines
+from conftest import CONFIGS, SCRIPTS, new_interpreter_env, python_command, read_metrics, run, script_env, two_machines
 from datagen import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -199,7 +199,6 @@ def wait_for_metrics(job, output_dir):
         time.sleep(0.05)
 
 
-@pytest.mark.new_interpreters  # suspends the live run's processes, which a fork's stand-in cannot pass on
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_processes, small_data, tmp_path):
     """While a run trains, a second launch into its --output_dir, with --overwrite_output_dir or
@@ -207,7 +206,8 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
     the live run is killed, its folder no longer blocks a new run."""
     output_dir = tmp_path / "run"
     args = ["--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200", "--log_interval", "1000"]
-    live = subprocess.Popen([str(part) for part in training_command(num_processes, *args)], cwd=tmp_path, env=script_env(),
+    # New interpreters: the error names the process holding the folder, and a fork is not among the launcher's.
+    live = subprocess.Popen([str(part) for part in training_command(num_processes, *args)], cwd=tmp_path, env=new_interpreter_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     launcher = psutil.Process(live.pid)  # the training process itself at 1 process
     try:

@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from conftest import forks, launch_command, python_command, read_metrics, run, script_env
+from conftest import forks, launch_command, new_interpreter_env, python_command, read_metrics, run, script_env
 from test_features import assert_same_records, assert_same_weights, weights
 
 
@@ -38,8 +38,7 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
         runs[name] = tmp_path / name
         args = ["--data_dir", data_dir, "--output_dir", runs[name], "--num_epochs", "1", "--checkpointing_steps", "epoch"]
         command = python_command("cpu_gloo.py", *args) if processes == 1 else launch_command("cpu_gloo.py", *args, num_processes=2)
-        env = None if not new_interpreter else {key: value for key, value in script_env().items() if key not in forks}
-        run(command, cwd=tmp_path, new_interpreter=new_interpreter, env=env)
+        run(command, cwd=tmp_path, new_interpreter=new_interpreter, env=new_interpreter_env() if new_interpreter else None)
     files = {name: sorted(path.relative_to(folder) for path in folder.rglob("*")) for name, folder in runs.items()}
     assert files["forked"] == files["fresh"]
     assert_same_weights(weights(runs["forked"]), weights(runs["fresh"]))
