@@ -41,6 +41,24 @@ NEW_INTERPRETER_MARKS = ("smoke", "gpu")
 forks = {}  # while a test may use forks: the fork client's executable and the servers' folder
 
 
+def start_fork_servers(folder, environments, prefix=()):
+    """Fork servers with these import-time environments (added to this process's), their sockets in
+    folder, started after prefix (a command that enters another namespace); returned once they accept."""
+    servers = [subprocess.Popen([*prefix, sys.executable, TESTS / "fork_server.py", folder], env={**os.environ, **extra},
+                                start_new_session=True) for extra in environments]
+    deadline = time.monotonic() + TIMEOUT
+    while len(list(Path(folder).glob("*.sock"))) < len(servers):
+        assert all(server.poll() is None for server in servers) and time.monotonic() < deadline, "a fork server did not start"
+        time.sleep(0.1)
+    return servers
+
+
+def stop_fork_servers(servers):
+    for server in servers:
+        os.killpg(server.pid, signal.SIGKILL)  # the server, and any fork a test left behind
+        server.wait()
+
+
 @pytest.fixture(scope="session")
 def fork_servers(tmp_path_factory):
     """Starts the fork servers; from then on the tests' processes are forks (see process_start).
@@ -49,18 +67,11 @@ def fork_servers(tmp_path_factory):
     client = folder / "python"
     client.write_text(f"#!/bin/sh\nexec '{sys.executable}' -S -E '{TESTS / 'fork_client.py'}' '{sys.executable}' \"$@\"\n")
     client.chmod(0o755)
-    servers = [subprocess.Popen([sys.executable, TESTS / "fork_server.py", folder], env={**os.environ, **extra}, start_new_session=True)
-               for extra in FORK_SERVER_ENVS]
-    deadline = time.monotonic() + TIMEOUT
-    while len(list(folder.glob("*.sock"))) < len(servers):
-        assert all(server.poll() is None for server in servers) and time.monotonic() < deadline, "a fork server did not start"
-        time.sleep(0.1)
+    servers = start_fork_servers(folder, FORK_SERVER_ENVS)
     forks.update(PYTHON_EXEC=str(client), FORK_SERVER_DIR=str(folder))
     yield
     forks.clear()
-    for server in servers:
-        os.killpg(server.pid, signal.SIGKILL)  # the server, and any fork a test left behind
-        server.wait()
+    stop_fork_servers(servers)
 
 
 @pytest.fixture(autouse=True)

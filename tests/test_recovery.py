@@ -16,7 +16,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, free_port, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, SCRIPTS, free_port, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from datagen import write_small_mnist
 from shared.checkpoints import complete_checkpoints, latest_checkpoint
 from test_features import assert_same_records, assert_same_weights, weights
@@ -186,10 +186,12 @@ def test_the_cpu_profile_puts_a_plain_accelerator_into_one_group(tmp_path):
 # -- two hosts on a real network ----------------------------------------------------------------------
 
 @pytest.fixture
-def two_hosts():
-    """Two network namespaces joined by a veth pair, each a host with an address of its own; removed afterwards."""
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's ip command")
+def two_hosts(tmp_path):
+    """Two network namespaces joined by a veth pair, each a host with an address of its own and a fork
+    server of its own (a fork runs in its server's network); removed afterwards."""
+    for tool in ("ip", "nsenter"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs the {tool} command")
     tag = uuid.uuid4().hex[:6]
     hosts = [(f"ddp{tag}a", f"ve{tag}a", "10.213.0.1"), (f"ddp{tag}b", f"ve{tag}b", "10.213.0.2")]
 
@@ -200,6 +202,7 @@ def two_hosts():
     created = ip("netns", "add", hosts[0][0])
     if created.returncode:
         pytest.skip(f"network namespaces are not permitted here ({created.stderr.strip()})")
+    servers = []
     try:
         ip("netns", "add", hosts[1][0])
         ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
@@ -208,17 +211,31 @@ def two_hosts():
             ip("addr", "add", f"{address}/24", "dev", device, namespace=namespace)
             ip("link", "set", device, "up", namespace=namespace)
             ip("link", "set", "lo", "up", namespace=namespace)
+            servers += start_fork_servers(tmp_path / namespace, [HOST_ENV], prefix=enter(namespace))
         assert ip("-4", "addr", "show", hosts[1][1], namespace=hosts[1][0]).stdout.count(hosts[1][2]) == 1
-        yield hosts, ip
+        yield [(*host, tmp_path / host[0]) for host in hosts], ip  # and the folder of its fork server
     finally:
+        stop_fork_servers(servers)
         for namespace, _, _ in hosts:
             ip("netns", "del", namespace)
 
 
+# What every process on the hosts gets: scripts/launch.py gives its training processes this
+# TORCH_CPP_LOG_LEVEL; plain accelerate launch's get it too, so that one fork server serves both.
+HOST_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def enter(namespace):
+    """Run in the namespace's network, with the filesystem as it is (`ip netns exec` makes a mount
+    namespace of its own for each command, where no fork server could serve)."""
+    return ["nsenter", f"--net=/run/netns/{namespace}"]
+
+
 def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch")):
     """One machine's launch, inside its namespace: rank 0's host is the rendezvous; gloo uses the veth."""
-    namespace, device, _ = hosts[machine_rank]
-    return ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, *launcher,
+    namespace, device, _, fork_server_dir = hosts[machine_rank]
+    return [*enter(namespace), "env", f"GLOO_SOCKET_IFNAME={device}", f"FORK_SERVER_DIR={fork_server_dir}",
+            *[f"{name}={value}" for name, value in HOST_ENV.items()], sys.executable, *launcher,
             "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2", "--machine_rank", machine_rank,
             "--main_process_ip", hosts[0][2], "--main_process_port", port, SCRIPTS / "cpu_gloo.py", *args]
 
