@@ -44,6 +44,7 @@ forks = {}  # while a test may use forks: the fork client's executable and the s
 def start_fork_servers(folder, environments, prefix=()):
     """Fork servers with these import-time environments (added to this process's), their sockets in
     folder, started after prefix (a command that enters another namespace); returned once they accept."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
     servers = [subprocess.Popen([*prefix, sys.executable, TESTS / "fork_server.py", folder], env={**os.environ, **extra},
                                 start_new_session=True) for extra in environments]
     deadline = time.monotonic() + TIMEOUT
