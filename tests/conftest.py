@@ -99,12 +99,17 @@ def new_interpreter_env():
     return {name: value for name, value in script_env().items() if name not in forks}
 
 
+def python():
+    """The `python` of the tests' commands: the fork client where the test allows it, else this interpreter."""
+    return forks.get("PYTHON_EXEC", sys.executable)
+
+
 def run(command, cwd, check=True, env=None, new_interpreter=False):
     """Run a command; on an unexpected exit code, fail with its output. A `python ...` command runs
     through the fork client where the test allows it, unless new_interpreter is set."""
     command = [str(part) for part in command]
-    if command[0] == sys.executable and forks and not new_interpreter:
-        command[0] = forks["PYTHON_EXEC"]
+    if command[0] == sys.executable and not new_interpreter:
+        command[0] = python()
     result = subprocess.run(command, cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if check and result.returncode != 0:
         pytest.fail(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
@@ -141,7 +146,7 @@ def two_machines(cwd, machine_args, config="cpu.yaml"):
     port = str(free_port())
     jobs = [
         subprocess.Popen(
-            [str(part) for part in [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--num_machines", "2",
+            [str(part) for part in [python(), SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--num_machines", "2",
                                     "--num_processes", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
                                     "--main_process_port", port, *args]],
             cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

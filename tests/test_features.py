@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, free_port, launch_command, python_command, read_metrics, run, script_env, two_machines
+from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, data_flags, free_port, launch_command, python, python_command, read_metrics, run, script_env, two_machines
 from datagen import write_hub_dataset, write_small_mnist
 from shared.checkpoints import complete_checkpoints, latest_checkpoint
 from test_scripts import load_script_module
@@ -430,7 +430,8 @@ def slurm_stand_ins(tmp_path, job_id, script, **settings):
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     env = script_env()
-    env.update(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
+    # `python` in the batch script: the fork client (named python) where the test allows it
+    env.update(PATH=f"{bin_dir}:{os.path.dirname(python())}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
                SLURM_NNODES="2", SLURM_JOB_ID=str(job_id), CONFIG=str(CONFIGS / "cpu.yaml"), GPUS_PER_NODE="1",
                MAIN_PORT=str(free_port()), SCRIPT=str(SCRIPTS / script), LAUNCHER=str(SCRIPTS / "launch.py"), REQUEUE_LOG=str(tmp_path / "requeued"), **settings)
     return env
