@@ -10,9 +10,11 @@ tier start every process as a new interpreter, as users start them.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,38 +43,39 @@ NEW_INTERPRETER_MARKS = ("smoke", "gpu")
 forks = {}  # while a test may use forks: the fork client's executable and the servers' folder
 
 
-def start_fork_servers(folder, environments, prefix=()):
-    """Fork servers with these import-time environments (added to this process's), their sockets in
-    folder, started after prefix (a command that enters another namespace); returned once they accept."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
+def start_fork_servers(environments, prefix=()):
+    """Fork servers with these import-time environments (added to this process's), started after
+    prefix (a command that enters another namespace), their sockets in a new folder with a short path
+    (a socket's path has at most 107 bytes): the folder and the servers, once they accept."""
+    folder = Path(tempfile.mkdtemp(prefix="forks-"))
     servers = [subprocess.Popen([*prefix, sys.executable, TESTS / "fork_server.py", folder], env={**os.environ, **extra},
                                 start_new_session=True) for extra in environments]
     deadline = time.monotonic() + TIMEOUT
-    while len(list(Path(folder).glob("*.sock"))) < len(servers):
+    while len(list(folder.glob("*.sock"))) < len(servers):
         assert all(server.poll() is None for server in servers) and time.monotonic() < deadline, "a fork server did not start"
         time.sleep(0.1)
-    return servers
+    return folder, servers
 
 
-def stop_fork_servers(servers):
+def stop_fork_servers(folder, servers):
     for server in servers:
         os.killpg(server.pid, signal.SIGKILL)  # the server, and any fork a test left behind
         server.wait()
+    shutil.rmtree(folder)
 
 
 @pytest.fixture(scope="session")
-def fork_servers(tmp_path_factory):
+def fork_servers():
     """Starts the fork servers; from then on the tests' processes are forks (see process_start).
     Module fixtures that run the scripts ask for it too."""
-    folder = tmp_path_factory.mktemp("fork_servers")
+    folder, servers = start_fork_servers(FORK_SERVER_ENVS)
     client = folder / "python"
     client.write_text(f"#!/bin/sh\nexec '{sys.executable}' -S -E '{TESTS / 'fork_client.py'}' '{sys.executable}' \"$@\"\n")
     client.chmod(0o755)
-    servers = start_fork_servers(folder, FORK_SERVER_ENVS)
     forks.update(PYTHON_EXEC=str(client), FORK_SERVER_DIR=str(folder))
     yield
     forks.clear()
-    stop_fork_servers(servers)
+    stop_fork_servers(folder, servers)
 
 
 @pytest.fixture(autouse=True)

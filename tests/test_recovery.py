@@ -186,7 +186,7 @@ def test_the_cpu_profile_puts_a_plain_accelerator_into_one_group(tmp_path):
 # -- two hosts on a real network ----------------------------------------------------------------------
 
 @pytest.fixture
-def two_hosts(tmp_path):
+def two_hosts():
     """Two network namespaces joined by a veth pair, each a host with an address of its own and a fork
     server of its own (a fork runs in its server's network); removed afterwards."""
     for tool in ("ip", "nsenter"):
@@ -211,11 +211,12 @@ def two_hosts(tmp_path):
             ip("addr", "add", f"{address}/24", "dev", device, namespace=namespace)
             ip("link", "set", device, "up", namespace=namespace)
             ip("link", "set", "lo", "up", namespace=namespace)
-            servers += start_fork_servers(tmp_path / namespace, [HOST_ENV], prefix=enter(namespace))
+            servers.append(start_fork_servers([HOST_ENV], prefix=enter(namespace)))
         assert ip("-4", "addr", "show", hosts[1][1], namespace=hosts[1][0]).stdout.count(hosts[1][2]) == 1
-        yield [(*host, tmp_path / host[0]) for host in hosts], ip  # and the folder of its fork server
+        yield [(*host, folder) for host, (folder, _) in zip(hosts, servers)], ip  # and the folder of its fork server
     finally:
-        stop_fork_servers(servers)
+        for folder, host_servers in servers:
+            stop_fork_servers(folder, host_servers)
         for namespace, _, _ in hosts:
             ip("netns", "del", namespace)
 
