@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import threading
+import traceback
 import types
 
 from fork_client import server_socket
@@ -85,11 +86,15 @@ def watch(connection):
         command = parse_command(request["argv"])
         if command is None or len(fds) != 3 or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer):
             connection.sendall(b'{"new_interpreter": true}\n')
-            os._exit(0)
+            return
         pid = os.fork()
-        if pid == 0:
-            connection.close()
-            become(request, fds, peer, *command)
+        if pid == 0:  # become() ends with the command's exit code; a failure of its own must not read as exit 0
+            try:
+                connection.close()
+                become(request, fds, peer, *command)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
         for fd in fds:
             os.close(fd)
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
