@@ -33,6 +33,10 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 REPO = Path(__file__).resolve().parents[1]
+# The Python of the processes a benchmark starts. PYTHON_EXEC is torchrun's name for the Python of the
+# processes it starts; the benchmarks honor it too, so that the tests can hand all of them their fork
+# client (tests/fork_client.py). startup.py, which measures new interpreters, always uses sys.executable.
+PYTHON = os.environ.get("PYTHON_EXEC", sys.executable)
 from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
 
 
@@ -286,6 +290,7 @@ def spawn(baseline, world_size, threads, *args, own_sessions=False):
     Linux schedules each session as a group (autogroup), that alone changes a run's speed on a small
     machine (benchmarks/README.md, findings)."""
     context = mp.get_context("spawn")
+    context.set_executable(PYTHON)
     results = context.SimpleQueue()
     mp.start_processes(_worker, args=(world_size, free_port(), threads, own_sessions, baseline, args, results),
                        nprocs=world_size, start_method="spawn")

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
 from time_to_accuracy import timed_epochs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ TARGET = 0.87  # eval accuracy on the real-digit subset, as time_to_accuracy.py 
 
 def run(processes, hook, data_dir, output_dir):
     """One run; its records, and the wall-clock seconds from launch at which each epoch was recorded."""
-    command = [sys.executable, REPO / "scripts" / "launch.py", "--config_file", REPO / "accelerate_configs" / "cpu.yaml",
+    command = [baselines.PYTHON, REPO / "scripts" / "launch.py", "--config_file", REPO / "accelerate_configs" / "cpu.yaml",
                "--num_processes", processes, REPO / "scripts" / "cpu_gloo.py", "--data_dir", data_dir,
                "--output_dir", output_dir, "--ddp_comm_hook", hook, "--log_interval", "100000"]
     return timed_epochs(command, output_dir, processes)

@@ -49,7 +49,7 @@ SETTINGS = {  # name -> (large batch?, setting)
 
 
 def script_rate(setting, batch_size, data_dir, num_epochs, output_dir):
-    command = ([sys.executable] + throughput.script_args("mnist_conv.py", data_dir, "memory", num_epochs, output_dir)
+    command = ([baselines.PYTHON] + throughput.script_args("mnist_conv.py", data_dir, "memory", num_epochs, output_dir)
                + ["--batch_size", str(batch_size), "--mixed_precision", setting.mixed_precision]
                + (["--channels_last"] if setting.channels_last else []))
     records = run_script(command, {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "inductor" if setting.compile else "no"}, output_dir)

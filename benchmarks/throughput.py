@@ -66,9 +66,9 @@ def script_args(script, data_dir, pipeline, num_epochs, output_dir):
 def script_rate(script, processes, data_dir, pipeline, num_epochs, workdir):
     """Run the script as a user would and read samples_per_sec back from its metrics.jsonl."""
     output_dir = Path(workdir) / f"{Path(script).stem}_{pipeline}_{processes}"
-    launcher = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
+    launcher = [baselines.PYTHON, str(REPO / "scripts" / "launch.py"), "--config_file",
                 str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
-    command = ([sys.executable] if processes == 1 else launcher) + script_args(script, data_dir, pipeline, num_epochs, output_dir)
+    command = ([baselines.PYTHON] if processes == 1 else launcher) + script_args(script, data_dir, pipeline, num_epochs, output_dir)
     records = run_script(command, {**os.environ, "OMP_NUM_THREADS": str(baselines.threads_for(processes))}, output_dir)
     assert records[-1]["world_size"] == processes
     return max(r["samples_per_sec"] for r in records[1:])

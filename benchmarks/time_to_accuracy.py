@@ -74,7 +74,7 @@ def timed_epochs(command, output_dir, processes, stop=lambda record: False):
 
 def script_time(script, processes, data_dir, target, max_epochs, output_dir):
     """Seconds from launch to the first epoch at or above target, and that epoch (None, None if none did)."""
-    command = [sys.executable, str(REPO / "scripts" / script), "--data_dir", str(data_dir), "--output_dir", str(output_dir),
+    command = [baselines.PYTHON, str(REPO / "scripts" / script), "--data_dir", str(data_dir), "--output_dir", str(output_dir),
                "--num_epochs", str(max_epochs)]
     if processes > 1:
         command[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),

@@ -3,10 +3,10 @@ torch and accelerate, or as a new interpreter where no server can stand in for o
 
 conftest.py writes an executable `python` that runs this file with `-S -E` (the standard library
 only, a few milliseconds) and hands it to the scripts as PYTHON_EXEC, torchrun's executable for the
-training processes. This process stays the one its launcher started and watches: it passes its
-standard streams, arguments, environment and folder to the server, forwards the signals it gets to
-the fork, and ends as the fork ended (its exit code, or killed by the same signal). If it is killed
-itself, the server kills the fork.
+training processes. This process stays the one its launcher started and watches: it passes its open
+files (its standard streams and any other its launcher passed on), arguments, environment and folder
+to the server, forwards the signals it gets to the fork, and ends as the fork ended (its exit code, or
+killed by the same signal). If it is killed itself, the server kills the fork.
 """
 
 import hashlib
@@ -30,6 +30,21 @@ def server_socket(folder, environ):
     return os.path.join(folder, hashlib.sha1(values).hexdigest()[:16] + ".sock")
 
 
+def inherited_fds():
+    """The numbers of the files this process was started with: its streams, and any others its
+    launcher passed on (torch.multiprocessing's spawn passes a pipe's end, for instance)."""
+    listed = [int(name) for name in os.listdir("/proc/self/fd")]  # one of them was the listing's own
+    return [fd for fd in listed if is_open(fd)]
+
+
+def is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
 def main():
     python, argv = sys.argv[1], sys.argv[2:]
     fork, pending = [], []
@@ -46,10 +61,11 @@ def main():
     for signum in FORWARDED:
         signal.signal(signum, forward)
     try:
+        fds = inherited_fds()
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(server_socket(os.environ["FORK_SERVER_DIR"], os.environ))
-        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-        socket.send_fds(connection, [struct.pack("!I", len(request))], [0, 1, 2])
+        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
+        socket.send_fds(connection, [struct.pack("!I", len(request))], fds)
         connection.sendall(request)
         replies = connection.makefile("rb")
         reply = json.loads(replies.readline() or b'{"new_interpreter": true}')

@@ -5,9 +5,9 @@ the torch._dynamo that an optimizer's first step imports (benchmarks/README.md#s
 
 A fork stands in for a new interpreter only where it would run the same: the client's namespaces
 (`ip netns exec` gives another network), resource limits, user and import-time environment
-(fork_client.IMPORT_TIME_ENV) must be this server's, and the command one of `[-u] script.py`,
-`[-u] -m module` or `[-u] -c code`; otherwise the client starts a new interpreter. The child takes the
-client's streams, folder, umask, CPU set and environment, runs the command as __main__ and ends as the
+(fork_client.IMPORT_TIME_ENV) must be this server's, and the command one of `[-u] [-B] script.py`,
+`-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes the
+client's open files, folder, umask, CPU set and environment, runs the command as __main__ and ends as the
 interpreter would: its exit code, the traceback of an uncaught exception, killed by SIGINT after an
 uncaught KeyboardInterrupt; non-daemon threads joined, then the exit handlers. Skipped: the
 interpreter's final clean-up of every module, so a crash that only happens there is seen only by
@@ -15,6 +15,7 @@ tests that start new interpreters (the smoke tier).
 """
 
 import atexit
+import fcntl
 import gc
 import importlib
 import io
@@ -37,6 +38,7 @@ PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "accelerate", "a
              "tqdm.auto")
 NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
 LIMITS = [getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")]
+MAX_FDS = 64  # files passed on from the client; more than that and it starts a new interpreter
 SKIPPED_FRAMES = ("<frozen runpy>", runpy.__file__, os.path.abspath(__file__))  # the frames before the command's own
 
 
@@ -78,13 +80,14 @@ def watch(connection):
     """In a child of the server: read the request, fork the command's process (or tell the client to
     start a new interpreter), pass on its pid, and report how it ended; exits."""
     try:
-        header, fds, _, _ = socket.recv_fds(connection, 4, 3)
+        header, fds, _, _ = socket.recv_fds(connection, 4, MAX_FDS)
         replies = connection.makefile("rb")
         header += replies.read(4 - len(header))
         request = json.loads(replies.read(struct.unpack("!I", header)[0]))
         peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         command = parse_command(request["argv"])
-        if command is None or len(fds) != 3 or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer):
+        if (command is None or len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"])
+                or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
             connection.sendall(b'{"new_interpreter": true}\n')
             return
         pid = os.fork()
@@ -114,13 +117,16 @@ def watch(connection):
 
 
 def parse_command(argv):
-    """(unbuffered, kind, target, args) for `[-u] script.py|-m module|-c code ARGS`; None for anything else."""
-    unbuffered = argv[:1] == ["-u"]
-    argv = argv[1:] if unbuffered else argv
+    """(options, kind, target, args) for `[-u] [-B] script.py|-m module|-c code ARGS`; None for anything else.
+    (-B is among the flags that multiprocessing's spawn passes on to its children.)"""
+    options = set()
+    while argv[:1] in (["-u"], ["-B"]):
+        options.add(argv[0])
+        argv = argv[1:]
     if len(argv) >= 2 and argv[0] in ("-m", "-c"):
-        return unbuffered, argv[0], argv[1], argv[2:]
+        return options, argv[0], argv[1], argv[2:]
     if argv and argv[0].endswith(".py") and not argv[0].startswith("-"):
-        return unbuffered, "script", argv[0], argv[1:]
+        return options, "script", argv[0], argv[1:]
     return None
 
 
@@ -132,17 +138,16 @@ def same_context(peer):
         return False
 
 
-def become(request, fds, peer, unbuffered, kind, target, args):
+def become(request, fds, peer, options, kind, target, args):
     """In the fork: take the client's place and run the command as __main__; exits."""
-    for number, fd in enumerate(fds):
-        os.dup2(fd, number)
-        os.close(fd)
+    place_files(fds, request["fds"])
     os.chdir(request["cwd"])
     os.umask(int(next(line for line in open(f"/proc/{peer}/status") if line.startswith("Umask:")).split()[1], 8))
     os.sched_setaffinity(0, os.sched_getaffinity(peer))
     os.environ.clear()
     os.environ.update(request["env"])
-    unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
+    unbuffered = "-u" in options or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.dont_write_bytecode = "-B" in options or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = sys.__stdout__ = output_stream(1, unbuffered, line_buffering=False, errors="strict")
     sys.stderr = sys.__stderr__ = output_stream(2, unbuffered, line_buffering=True, errors="backslashreplace")
@@ -155,6 +160,17 @@ def become(request, fds, peer, unbuffered, kind, target, args):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(exit_code)
+
+
+def place_files(received, numbers):
+    """Give the client's files the numbers they had there (received ones may sit on those numbers)."""
+    above = max([*received, *numbers]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in received]
+    for fd in received:
+        os.close(fd)
+    for fd, number in zip(moved, numbers):
+        os.dup2(fd, number)
+        os.close(fd)
 
 
 def output_stream(fd, unbuffered, line_buffering, errors):

@@ -5,6 +5,7 @@ client's place for the launcher that watches it."""
 import signal
 import subprocess
 import sys
+import textwrap
 
 import psutil
 import pytest
@@ -44,6 +45,31 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
     assert_same_weights(weights(runs["forked"]), weights(runs["fresh"]))
     assert_same_records(read_metrics(runs["forked"]), read_metrics(runs["fresh"]))
     assert read_metrics(runs["forked"])[-1]["world_size"] == processes
+
+
+def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_was_given(tmp_path):
+    """torch.multiprocessing's spawn, which starts the benchmarks' baselines, hands its child a pipe's end
+    (the child's arguments and results go through it) and passes -B on."""
+    probe = tmp_path / "spawner.py"
+    probe.write_text(textwrap.dedent("""\
+        import os, sys
+        import torch.multiprocessing as mp
+
+        def child(results):
+            results.put(os.getpid())
+
+        if __name__ == "__main__":
+            context = mp.get_context("spawn")
+            context.set_executable(os.environ["PYTHON_EXEC"])
+            results = context.SimpleQueue()
+            process = context.Process(target=child, args=(results,))
+            process.start()
+            print(process.pid, results.get())
+            process.join()
+            sys.exit(process.exitcode)
+        """))
+    client, child = map(int, run([sys.executable, "-B", probe], cwd=tmp_path).stdout.split())
+    assert child != client  # the child ran in a fork, not in the new interpreter the client would have become
 
 
 def test_a_signal_to_a_forks_stand_in_reaches_the_fork_and_killing_the_stand_in_kills_the_fork(tmp_path):
