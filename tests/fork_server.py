@@ -52,68 +52,75 @@ def serve(folder):
     listener.bind(path + ".starting")
     listener.listen(128)
     os.rename(path + ".starting", path)  # clients find the socket only once it accepts
-    listener.settimeout(1)
+    running = {}  # pidfd -> (pid, the client's connection) of each fork that runs
     parent = os.getppid()
     while os.getppid() == parent:  # ends with the test process that started it
-        reap_watchers()
-        try:
-            connection, _ = listener.accept()
-        except TimeoutError:
-            continue
-        if os.fork() == 0:
-            listener.close()
-            watch(connection)
-        connection.close()
-
-
-def reap_watchers():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def watch(connection):
-    """In a child of the server: read the request, fork the command's process (or tell the client to
-    start a new interpreter), pass on its pid, and report how it ended; exits."""
-    try:
-        header, fds, _, _ = socket.recv_fds(connection, 4, MAX_FDS)
-        replies = connection.makefile("rb")
-        header += replies.read(4 - len(header))
-        request = json.loads(replies.read(struct.unpack("!I", header)[0]))
-        peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        command = parse_command(request["argv"])
-        if (command is None or len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"])
-                or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
-            connection.sendall(b'{"new_interpreter": true}\n')
-            return
-        pid = os.fork()
-        if pid == 0:  # become() ends with the command's exit code; a failure of its own must not read as exit 0
-            try:
-                connection.close()
-                become(request, fds, peer, *command)
-            except BaseException:
-                traceback.print_exc()
-                os._exit(1)
-        for fd in fds:
-            os.close(fd)
-        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        pidfd = os.pidfd_open(pid)
-        while True:
-            ready, _, _ = select.select([connection, pidfd], [], [])
-            if pidfd in ready:
-                exit_code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                connection.sendall(json.dumps({"exit_code": exit_code}).encode() + b"\n")
-                break
+        clients = {connection: pidfd for pidfd, (_, connection) in running.items()}
+        ready, _, _ = select.select([listener, *running, *clients], [], [], 1)
+        for pidfd in [item for item in ready if item in running]:  # ended: tell its client how
+            pid, connection = running.pop(pidfd)
+            reply(connection, {"exit_code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
+            connection.close()
+            os.close(pidfd)
+        for connection in [item for item in ready if item in clients and clients[item] in running]:
             if not connection.recv(1):  # the client was killed: so is its fork
+                pid, _ = running.pop(clients[connection])
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                break
-    finally:
-        os._exit(0)
+                connection.close()
+                os.close(clients[connection])
+        if listener in ready:
+            connection, _ = listener.accept()
+            try:
+                fork = start(connection, [listener, *clients, *running])
+            except Exception:  # a client that left mid-request, say
+                traceback.print_exc()
+                fork = None
+            if fork is None:
+                connection.close()
+            else:
+                running[os.pidfd_open(fork)] = fork, connection
+
+
+def reply(connection, message):
+    try:
+        connection.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:  # the client is gone
+        pass
+
+
+def start(connection, inherited):
+    """Read the request; fork the command's process and tell the client its pid, or tell the client to
+    start a new interpreter. The fork's pid, or None. `inherited`: the server's own files, which the
+    fork closes."""
+    connection.settimeout(30)
+    header, fds, _, _ = socket.recv_fds(connection, 4, MAX_FDS)
+    replies = connection.makefile("rb")
+    header += replies.read(4 - len(header))
+    request = json.loads(replies.read(struct.unpack("!I", header)[0]))
+    replies.close()  # else the fork's close of the connection would leave it open
+    peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    command = parse_command(request["argv"])
+    if (command is None or len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"])
+            or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
+        for fd in fds:
+            os.close(fd)
+        reply(connection, {"new_interpreter": True})
+        return None
+    pid = os.fork()
+    if pid == 0:  # become() ends with the command's exit code; a failure of its own must not read as exit 0
+        try:
+            for item in [connection, *inherited]:
+                os.close(item) if isinstance(item, int) else item.close()
+            become(request, fds, peer, *command)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    reply(connection, {"pid": pid})
+    connection.settimeout(None)
+    return pid
 
 
 def parse_command(argv):
