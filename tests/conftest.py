@@ -4,8 +4,9 @@ Most tests' Python processes are forks of a fork server (fork_server.py) that ha
 torch and accelerate, which a new interpreter spends about 4 s of CPU on: `python ...` in run(), and
 the training processes that torchrun starts (PYTHON_EXEC). Each fork takes the place of the process
 its launcher started (streams, environment, signals, exit code) and runs where a new interpreter
-would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier and the GPU
-tier start every process as a new interpreter, as users start them.
+would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier run on its own
+(`-m smoke`, the user's check of their machine) and the GPU tier start every process as a new
+interpreter, as users start them.
 """
 
 import json
@@ -39,7 +40,6 @@ TIMEOUT = 300
 # One fork server per import-time environment the tests' processes have: scripts/launch.py gives its
 # training processes TORCH_CPP_LOG_LEVEL=ERROR.
 FORK_SERVER_ENVS = ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR"})
-NEW_INTERPRETER_MARKS = ("smoke", "gpu")
 forks = {}  # while a test may use forks: the fork client's executable and the servers' folder
 
 
@@ -78,10 +78,17 @@ def fork_servers():
     stop_fork_servers(folder, servers)
 
 
+def starts_new_interpreters(request):
+    """The GPU tier, and the smoke tier when it runs on its own (`-m smoke`): in the full suite its tests
+    fork as the others do, and test_forked_runs.py starts new interpreters beside forks."""
+    smoke_tier = request.config.option.markexpr.strip() == "smoke" and request.node.get_closest_marker("smoke")
+    return bool(smoke_tier or request.node.get_closest_marker("gpu"))
+
+
 @pytest.fixture(autouse=True)
 def process_start(request):
-    """Forks for this test's processes, unless it is marked to start new interpreters."""
-    if not any(request.node.get_closest_marker(mark) for mark in NEW_INTERPRETER_MARKS):
+    """Forks for this test's processes, unless it starts new interpreters."""
+    if not starts_new_interpreters(request):
         request.getfixturevalue("fork_servers")
         yield
         return
@@ -174,4 +181,13 @@ def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     for name in ("MNIST", "FashionMNIST"):
         write_small_mnist(root, name, num_train=2000, num_test=200)
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """data_dir's kind of data, a quarter of its size: for the runs whose steps cost most."""
+    root = tmp_path_factory.mktemp("small")
+    for name in ("MNIST", "FashionMNIST"):
+        write_small_mnist(root, name, num_train=512, num_test=64)
     return root

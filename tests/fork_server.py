@@ -5,13 +5,13 @@ the torch._dynamo that an optimizer's first step imports (benchmarks/README.md#s
 
 A fork stands in for a new interpreter only where it would run the same: the client's namespaces
 (`ip netns exec` gives another network), resource limits, user and import-time environment
-(fork_client.IMPORT_TIME_ENV) must be this server's, and the command one of `[-u] [-B] script.py`,
-`-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes the
+(fork_client.IMPORT_TIME_ENV) must be this server's, and the command `[-u] [-B]` followed by
+`script.py`, `-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes the
 client's open files, folder, umask, CPU set and environment, runs the command as __main__ and ends as the
 interpreter would: its exit code, the traceback of an uncaught exception, killed by SIGINT after an
 uncaught KeyboardInterrupt; non-daemon threads joined, then the exit handlers. Skipped: the
 interpreter's final clean-up of every module, so a crash that only happens there is seen only by
-tests that start new interpreters (the smoke tier).
+tests that start new interpreters (test_forked_runs.py, the smoke tier run on its own).
 """
 
 import atexit

@@ -17,7 +17,6 @@ import psutil
 import pytest
 
 from conftest import CONFIGS, SCRIPTS, new_interpreter_env, python_command, read_metrics, run, script_env, two_machines
-from datagen import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
 from shared.checkpoints import STATE_FILE, complete_checkpoints, damaged, latest_checkpoint, read_state
@@ -28,13 +27,6 @@ CRASH_PROBE = PROBES / "crash_in_save.py"
 # A run long enough to be killed in the middle: 512 samples in batches of 8, 12 epochs.
 FLAGS = ["--batch_size", "8", "--num_epochs", "12", "--checkpointing_steps", "50", "--log_interval", "1000"]
 KILL_DEADLINE_S = 30
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
-    write_small_mnist(root, "MNIST", num_train=512, num_test=64)
-    return root
 
 
 def training_command(num_processes, *args):
