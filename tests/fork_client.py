@@ -76,7 +76,10 @@ def main():
     fork.append(reply["pid"])
     for signum in pending:
         forward(signum, None)
-    end = json.loads(replies.readline())
+    line = replies.readline()
+    if not line:  # the server was stopped (at the end of the tests) before the fork ended
+        sys.exit(f"fork_client.py: the fork server stopped before its fork ({fork[0]}) of {argv} ended")
+    end = json.loads(line)
     if end["exit_code"] < 0:  # killed by a signal: end the same way
         signum = -end["exit_code"]
         if signum in FORWARDED:
