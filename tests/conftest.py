@@ -1,9 +1,10 @@
 """Fixtures and launch helpers: every test runs the scripts as a user would, in processes of their own.
 
 Most tests' Python processes are forks of a fork server (fork_server.py) that has already imported
-torch and accelerate, which a new interpreter spends about 4 s of CPU on: `python ...` in run(), and
-the training processes that torchrun starts (PYTHON_EXEC). Each fork takes the place of the process
-its launcher started (streams, environment, signals, exit code) and runs where a new interpreter
+torch and accelerate, which a new interpreter spends about 4 s of CPU on: `python ...` in run(), the
+training processes that torchrun starts (PYTHON_EXEC), and the benchmarks' processes (which honor
+PYTHON_EXEC too). Each fork takes the place of the process its launcher started (open files,
+environment, signals, exit code) and runs where a new interpreter
 would run the same; test_forked_runs.py shows that it ends as one does. The smoke tier run on its own
 (`-m smoke`, the user's check of their machine) and the GPU tier start every process as a new
 interpreter, as users start them.

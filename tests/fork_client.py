@@ -34,7 +34,7 @@ def inherited_fds():
     """The numbers of the files this process was started with: its streams, and any others its
     launcher passed on (torch.multiprocessing's spawn passes a pipe's end, for instance)."""
     listed = [int(name) for name in os.listdir("/proc/self/fd")]  # one of them was the listing's own
-    return [fd for fd in listed if is_open(fd)]
+    return sorted(fd for fd in listed if is_open(fd))
 
 
 def is_open(fd):
@@ -61,6 +61,8 @@ def main():
     for signum in FORWARDED:
         signal.signal(signum, forward)
     try:
+        # Passed on, and kept open here until the end: a parent may watch one for the end of the process it
+        # started (multiprocessing's spawn watches a pipe's end so).
         fds = inherited_fds()
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(server_socket(os.environ["FORK_SERVER_DIR"], os.environ))
@@ -82,7 +84,7 @@ def main():
     end = json.loads(line)
     if end["exit_code"] < 0:  # killed by a signal: end the same way
         signum = -end["exit_code"]
-        if signum in FORWARDED:
+        if signum != signal.SIGKILL:  # a handler of this process's (Python ignores SIGPIPE) must not catch it
             signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)

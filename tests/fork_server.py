@@ -6,12 +6,19 @@ the torch._dynamo that an optimizer's first step imports (benchmarks/README.md#s
 A fork stands in for a new interpreter only where it would run the same: the client's namespaces
 (`ip netns exec` gives another network), resource limits, user and import-time environment
 (fork_client.IMPORT_TIME_ENV) must be this server's, and the command `[-u] [-B]` followed by
-`script.py`, `-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes the
-client's open files, folder, umask, CPU set and environment, runs the command as __main__ and ends as the
-interpreter would: its exit code, the traceback of an uncaught exception, killed by SIGINT after an
-uncaught KeyboardInterrupt; non-daemon threads joined, then the exit handlers. Skipped: the
-interpreter's final clean-up of every module, so a crash that only happens there is seen only by
-tests that start new interpreters (test_forked_runs.py, the smoke tier run on its own).
+`script.py`, `-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes
+the client's open files (at their numbers), folder, umask, CPU set and environment, runs the command
+as __main__ and ends as the interpreter would: its exit code, the traceback of an uncaught exception,
+killed by SIGINT after an uncaught KeyboardInterrupt; non-daemon threads joined, then the exit
+handlers. What differs from a new interpreter:
+- the interpreter's final clean-up of every module is skipped, so a crash that only happens there is
+  seen only by tests that start new interpreters (test_forked_runs.py, the smoke tier run on its own,
+  the GPU tier);
+- sys.flags are the server's (`-B` sets sys.dont_write_bytecode alone), so multiprocessing's spawn
+  in a fork passes the server's flags on;
+- the fork's parent is this server, not the client's parent: a fork that asks to be signalled when its
+  parent dies (torch.multiprocessing's spawned workers do) outlives its client's parent, until the
+  client ends or the tests stop the servers.
 """
 
 import atexit
@@ -32,7 +39,7 @@ import threading
 import traceback
 import types
 
-from fork_client import server_socket
+from fork_client import inherited_fds, server_socket
 
 PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "accelerate", "accelerate.commands.launch", "safetensors.torch",
              "tqdm.auto")
@@ -47,39 +54,75 @@ def serve(folder):
         importlib.import_module(name)
     assert threading.active_count() == 1, "forks of a process with threads may deadlock"
     gc.freeze()  # the collector then leaves the imported objects alone, so forks do not copy their pages
+    assert inherited_fds() == [0, 1, 2], "a fork puts its client's files at their numbers: none may be the server's"
     path = server_socket(folder, os.environ)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".starting")
     listener.listen(128)
     os.rename(path + ".starting", path)  # clients find the socket only once it accepts
-    running = {}  # pidfd -> (pid, the client's connection) of each fork that runs
+    forks = {}  # pidfd -> (pid, the client's connection; None once the client is gone and the fork killed)
     parent = os.getppid()
-    while os.getppid() == parent:  # ends with the test process that started it
-        clients = {connection: pidfd for pidfd, (_, connection) in running.items()}
-        ready, _, _ = select.select([listener, *running, *clients], [], [], 1)
-        for pidfd in [item for item in ready if item in running]:  # ended: tell its client how
-            pid, connection = running.pop(pidfd)
-            reply(connection, {"exit_code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
-            connection.close()
-            os.close(pidfd)
-        for connection in [item for item in ready if item in clients and clients[item] in running]:
-            if not connection.recv(1):  # the client was killed: so is its fork
-                pid, _ = running.pop(clients[connection])
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                connection.close()
-                os.close(clients[connection])
-        if listener in ready:
-            connection, _ = listener.accept()
-            try:
-                fork = start(connection, [listener, *clients, *running])
-            except Exception:  # a client that left mid-request, say
-                traceback.print_exc()
-                fork = None
-            if fork is None:
-                connection.close()
-            else:
-                running[os.pidfd_open(fork)] = fork, connection
+    try:
+        while os.getppid() == parent:  # ends with the test process that started it
+            clients = {connection: pidfd for pidfd, (_, connection) in forks.items() if connection is not None}
+            ready, _, _ = select.select([listener, *forks, *clients], [], [], 1)
+            for item in ready:
+                try:
+                    if item is listener:
+                        accept(listener, forks)
+                    elif item in forks:
+                        report_end(item, forks)
+                    elif forks.get(clients[item], (None, None))[1] is item:  # (not ended in this pass)
+                        check_client(item, clients[item], forks)
+                except Exception:  # one client's trouble never ends the server
+                    traceback.print_exc()
+    finally:
+        for pid, _ in forks.values():
+            os.kill(pid, signal.SIGKILL)
+
+
+def accept(listener, forks):
+    connection, _ = listener.accept()
+    try:
+        own_files = [listener, *forks, *(client for _, client in forks.values() if client is not None)]
+        pid = start(connection, own_files)
+    except BaseException:
+        connection.close()
+        raise
+    if pid is None:
+        connection.close()
+        return
+    try:
+        forks[os.pidfd_open(pid)] = pid, connection
+    except OSError:  # out of files: a fork nobody watches must not run
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        connection.close()
+        raise
+
+
+def report_end(pidfd, forks):
+    """A fork ended: tell its client how."""
+    pid, connection = forks.pop(pidfd)
+    exit_code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os.close(pidfd)
+    if connection is not None:
+        reply(connection, {"exit_code": exit_code})
+        connection.close()
+
+
+def check_client(connection, pidfd, forks):
+    """The client's connection is readable: at its end (the client was killed), kill its fork, which
+    report_end then reaps."""
+    try:
+        gone = not connection.recv(1)
+    except OSError:  # reset: the client was killed before it read the fork's pid
+        gone = True
+    if gone:
+        pid, _ = forks[pidfd]
+        os.kill(pid, signal.SIGKILL)
+        forks[pidfd] = pid, None
+        connection.close()
 
 
 def reply(connection, message):
@@ -89,35 +132,36 @@ def reply(connection, message):
         pass
 
 
-def start(connection, inherited):
+def start(connection, own_files):
     """Read the request; fork the command's process and tell the client its pid, or tell the client to
-    start a new interpreter. The fork's pid, or None. `inherited`: the server's own files, which the
-    fork closes."""
-    connection.settimeout(30)
+    start a new interpreter. The fork's pid, or None. `own_files`: the server's, which the fork closes."""
+    connection.settimeout(5)  # a client sends its request as soon as it connects
     header, fds, _, _ = socket.recv_fds(connection, 4, MAX_FDS)
-    replies = connection.makefile("rb")
-    header += replies.read(4 - len(header))
-    request = json.loads(replies.read(struct.unpack("!I", header)[0]))
-    replies.close()  # else the fork's close of the connection would leave it open
-    peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    command = parse_command(request["argv"])
-    if (command is None or len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"])
-            or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
+    try:
+        with connection.makefile("rb") as replies:  # closed before the fork, whose close of the connection then closes it
+            header += replies.read(4 - len(header))
+            request = json.loads(replies.read(struct.unpack("!I", header)[0]))
+        peer, uid, gid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        command = parse_command(request["argv"])
+        if (command is None or len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"])
+                or max(request["fds"]) + 2 * MAX_FDS >= resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # room for place_files
+                or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
+            reply(connection, {"new_interpreter": True})
+            return None
+        pid = os.fork()
+        if pid == 0:  # become() ends with the command's exit code; any other way out of it ends the fork here
+            try:
+                try:
+                    for item in [connection, *own_files]:
+                        os.close(item) if isinstance(item, int) else item.close()
+                    become(request, fds, peer, *command)
+                except BaseException:
+                    traceback.print_exc()
+            finally:  # never back into the server's loop, not even when the report fails (a closed stderr)
+                os._exit(1)
+    finally:
         for fd in fds:
             os.close(fd)
-        reply(connection, {"new_interpreter": True})
-        return None
-    pid = os.fork()
-    if pid == 0:  # become() ends with the command's exit code; a failure of its own must not read as exit 0
-        try:
-            for item in [connection, *inherited]:
-                os.close(item) if isinstance(item, int) else item.close()
-            become(request, fds, peer, *command)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-    for fd in fds:
-        os.close(fd)
     reply(connection, {"pid": pid})
     connection.settimeout(None)
     return pid

@@ -49,7 +49,8 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
 
 def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_was_given(tmp_path):
     """torch.multiprocessing's spawn, which starts the benchmarks' baselines, hands its child a pipe's end
-    (the child's arguments and results go through it) and passes -B on."""
+    (the child's arguments and results go through it) and passes -B on: the spawning interpreter is
+    started with -B (a fork would keep its server's flags)."""
     probe = tmp_path / "spawner.py"
     probe.write_text(textwrap.dedent("""\
         import os, sys
@@ -68,7 +69,7 @@ def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_w
             process.join()
             sys.exit(process.exitcode)
         """))
-    client, child = map(int, run([sys.executable, "-B", probe], cwd=tmp_path).stdout.split())
+    client, child = map(int, run([sys.executable, "-B", probe], cwd=tmp_path, new_interpreter=True).stdout.split())
     assert child != client  # the child ran in a fork, not in the new interpreter the client would have become
 
 
@@ -84,3 +85,17 @@ def test_a_signal_to_a_forks_stand_in_reaches_the_fork_and_killing_the_stand_in_
         client.send_signal(stop)
         assert client.wait(timeout=30) == exit_code
         fork.wait(timeout=30)  # gone: psutil raises TimeoutExpired while it runs
+
+
+def test_a_fork_that_cannot_report_its_failure_still_ends_and_leaves_the_other_forks_alone(tmp_path):
+    """An uncaught error whose report meets a closed stderr (its launcher was killed) and an excepthook
+    that writes there (as torch.distributed's does) ends that fork with exit code 1, as it ends an
+    interpreter, and nothing else: the fork never returns into the server's code, which would then
+    stop the server's other forks."""
+    code = "import sys, time\ntime.sleep(1)\nsys.excepthook = lambda *error: sys.stderr.write('failed')\nraise ValueError"
+    other = subprocess.Popen([forks["PYTHON_EXEC"], "-c", "import time; time.sleep(4)"], cwd=tmp_path, env=script_env())
+    for python in (forks["PYTHON_EXEC"], sys.executable):
+        failing = subprocess.Popen([python, "-c", code], cwd=tmp_path, env=script_env(), stderr=subprocess.PIPE)
+        failing.stderr.close()
+        assert failing.wait(timeout=30) == 1
+    assert other.wait(timeout=30) == 0

@@ -17,7 +17,6 @@ import psutil
 import pytest
 
 from conftest import CONFIGS, SCRIPTS, free_port, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
-from datagen import write_small_mnist
 from shared.checkpoints import complete_checkpoints, latest_checkpoint
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -25,13 +24,6 @@ PROBES = SCRIPTS.parent / "tests" / "probes"
 # 512 samples in steps of 8: 64 steps an epoch, long enough to be interrupted in the middle.
 FLAGS = ["--batch_size", "8", "--num_epochs", "8", "--log_interval", "1000"]
 GRACE_S = 30  # torchrun's wait between passing SIGTERM on and killing
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
-    write_small_mnist(root, "MNIST", num_train=512, num_test=64)
-    return root
 
 
 def launch(*args, num_processes=2, launcher_flags=()):
