@@ -176,19 +176,19 @@ def read_metrics(output_dir):
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def write_digits(root, num_train, num_test):
+    """MNIST and FashionMNIST in torchvision's layout (real IDX files), small and learnable."""
+    for name in ("MNIST", "FashionMNIST"):
+        write_small_mnist(root, name, num_train=num_train, num_test=num_test)
+    return root
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """MNIST and FashionMNIST in torchvision's layout (real IDX files), small and learnable."""
-    root = tmp_path_factory.mktemp("data")
-    for name in ("MNIST", "FashionMNIST"):
-        write_small_mnist(root, name, num_train=2000, num_test=200)
-    return root
+    return write_digits(tmp_path_factory.mktemp("data"), num_train=2000, num_test=200)
 
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """data_dir's kind of data, a quarter of its size: for the runs whose steps cost most."""
-    root = tmp_path_factory.mktemp("small")
-    for name in ("MNIST", "FashionMNIST"):
-        write_small_mnist(root, name, num_train=512, num_test=64)
-    return root
+    return write_digits(tmp_path_factory.mktemp("small"), num_train=512, num_test=64)
