@@ -34,6 +34,17 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
     assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in result.stdout
 
 
+def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
+    """Under cpu.yaml at 4 processes: a trace and a row of the table for each process."""
+    profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", num_processes=4, data_dir=data_dir)
+    assert sorted(path.name for path in (profiled / "profile").glob("trace_rank*.json")) == [f"trace_rank{rank}.json" for rank in range(4)]
+    rows = json.loads((profiled / "profile" / "step_time.json").read_text())
+    assert [row["process"] for row in rows] == [0, 1, 2, 3]
+    assert all(row["steps"] == 5 and row["all-reduce wait"] > 0 for row in rows), rows
+    printed = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert printed == ["| 0", "| 1", "| 2", "| 3"], result.stdout
+
+
 def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_path):
     profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", data_dir=data_dir)
     (row,) = json.loads((profiled / "profile" / "step_time.json").read_text())
