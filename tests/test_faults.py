@@ -19,7 +19,7 @@ import pytest
 from conftest import CONFIGS, SCRIPTS, new_interpreter_env, python_command, read_metrics, run, script_env, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 
-from shared.checkpoints import STATE_FILE, complete_checkpoints, damaged, latest_checkpoint, read_state
+from shared.checkpoints import complete_checkpoints, damaged, latest_checkpoint, read_state
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 PROBES = Path(__file__).resolve().parent / "probes"

@@ -8,7 +8,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
