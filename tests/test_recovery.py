@@ -164,15 +164,16 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_
 def test_the_cpu_profile_puts_a_plain_accelerator_into_one_group(tmp_path):
     """A script that is not ours and builds Accelerator() as accelerate's examples do: through
     scripts/launch.py, cpu.yaml's 4 processes form one gloo group; through plain accelerate launch
-    each process trains alone (the trap the README warns of)."""
+    each process trains alone (the trap the README warns of): accelerate joins torchrun's 4 processes in
+    one gloo group, yet reports world size 1, so nothing would shard the data or average the gradients."""
     quiet = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", PROBES / "plain_accelerator.py", tmp_path / "quiet"]
     plain = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", PROBES / "plain_accelerator.py", tmp_path / "plain"]
     for command, folder in ((quiet, "quiet"), (plain, "plain")):
         (tmp_path / folder).mkdir()
         run(command, cwd=tmp_path)
     reports = {folder: [json.loads(path.read_text()) for path in sorted((tmp_path / folder).glob("*.json"))] for folder in ("quiet", "plain")}
-    assert [(r["rank"], r["num_processes"], r["distributed_type"]) for r in reports["quiet"]] == [(rank, 4, "MULTI_CPU") for rank in range(4)]
-    assert [(r["num_processes"], r["distributed_type"]) for r in reports["plain"]] == [(1, "NO")] * 4
+    assert [(r["rank"], r["num_processes"], r["distributed_type"], r["torch_world_size"]) for r in reports["quiet"]] == [(rank, 4, "MULTI_CPU", 4) for rank in range(4)]
+    assert [(r["num_processes"], r["distributed_type"], r["torch_world_size"]) for r in reports["plain"]] == [(1, "NO", 4)] * 4
 
 
 # -- two hosts on a real network ----------------------------------------------------------------------
