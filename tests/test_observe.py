@@ -35,8 +35,11 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
 
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
-    """Under cpu.yaml at 4 processes: a trace and a row of the table for each process."""
+    """Under cpu.yaml at 4 processes: a trace and a row of the table for each process, and the weights
+    of the same run without --profile."""
+    plain, _ = train("cpu_gloo.py", tmp_path, "plain", "--max_train_steps", "14", num_processes=4, data_dir=data_dir)
     profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", num_processes=4, data_dir=data_dir)
+    assert_same_weights(weights(plain), weights(profiled))
     assert sorted(path.name for path in (profiled / "profile").glob("trace_rank*.json")) == [f"trace_rank{rank}.json" for rank in range(4)]
     rows = json.loads((profiled / "profile" / "step_time.json").read_text())
     assert [row["process"] for row in rows] == [0, 1, 2, 3]
