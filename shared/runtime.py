@@ -242,42 +242,46 @@ def run_main(main):
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
-        main()
-        gc.collect()
-    except UserError as error:
-        remove_what_the_failed_run_made()
-        print_traceback_if_asked()
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            leave_process_group_together()
-        if rank:
-            # Usually every rank hits the same mistake and rank 0 has said it: the launcher stops this
-            # rank when rank 0 exits. A rank that fails alone still speaks.
-            time.sleep(3)
-            print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except Preempted as stopped:
-        if rank == 0:
-            print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            leave_process_group_together()
-        sys.exit(PREEMPTED_EXIT_CODE)
-    except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
-        if not (torch.distributed.is_initialized() and lost_a_peer(error)):
-            raise
-        # Another process of the run, or its network, is gone (killed, out of memory, a machine
-        # lost): the launcher says which process ended, and restarts the run if asked to. The
-        # survivors leave without a traceback each; one that waited --ddp_timeout in vain says so.
-        # They wait a moment first: torchrun names the first process it sees end (to the second),
-        # which must be the one that was lost, not a survivor.
-        print_traceback_if_asked()
-        if "imed out" in str(error):
-            print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
-                  file=sys.stderr, flush=True)
-        time.sleep(2)
-        exit_now(1)
-    except KeyboardInterrupt:  # Ctrl-C reaches every process of the run at once: one line, not a traceback each
+        try:
+            main()
+            gc.collect()
+        except UserError as error:
+            remove_what_the_failed_run_made()
+            print_traceback_if_asked()
+            if rank == 0:
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            if torch.distributed.is_initialized():
+                leave_process_group_together()
+            if rank:
+                # Usually every rank hits the same mistake and rank 0 has said it: the launcher stops this
+                # rank when rank 0 exits. A rank that fails alone still speaks.
+                time.sleep(3)
+                print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        except Preempted as stopped:
+            if rank == 0:
+                print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
+            if torch.distributed.is_initialized():
+                leave_process_group_together()
+            sys.exit(PREEMPTED_EXIT_CODE)
+        except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
+            if not (torch.distributed.is_initialized() and lost_a_peer(error)):
+                raise
+            # Another process of the run, or its network, is gone (killed, out of memory, a machine
+            # lost): the launcher says which process ended, and restarts the run if asked to. The
+            # survivors leave without a traceback each; one that waited --ddp_timeout in vain says so.
+            # They wait a moment first: torchrun names the first process it sees end (to the second),
+            # which must be the one that was lost, not a survivor.
+            print_traceback_if_asked()
+            if "imed out" in str(error):
+                print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
+                      file=sys.stderr, flush=True)
+            time.sleep(2)
+            exit_now(1)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the launcher, which passes it to the processes one after another: a process
+        # can meet it in training, or while it handles the loss of a process that stopped first.
+        # One line for the run, not a traceback each.
         remove_what_the_failed_run_made()
         if rank == 0:
             print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, python, python_command, read_metrics, run, script_env
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -179,7 +179,8 @@ def test_accelerate_launch_of_several_processes_that_runs_one_says_so(tmp_path):
 
 
 def test_ctrl_c_stops_every_process_with_one_line(data_dir, tmp_path):
-    """Ctrl-C in a terminal signals the whole foreground process group: launcher and every rank."""
+    """Ctrl-C in a terminal signals the launcher's foreground process group; torchrun, whose processes
+    run in sessions of their own, passes it on to every rank."""
     command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
                SCRIPTS / "cpu_gloo.py", "--data_dir", data_dir, "--output_dir", tmp_path / "run", "--num_epochs", "50"]
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE,
@@ -193,3 +194,15 @@ def test_ctrl_c_stops_every_process_with_one_line(data_dir, tmp_path):
     assert job.returncode != 0
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.count("Stopped by Ctrl-C.") == 1, stderr
+
+
+def test_ctrl_c_that_reaches_a_process_after_it_lost_a_peer_ends_in_the_same_line(tmp_path):
+    """The launcher passes Ctrl-C to the processes one after another: the first stops at once, and the
+    next may already be leaving because its all-reduce lost that peer when the signal reaches it."""
+    job = subprocess.Popen([python(), REPO / "tests" / "probes" / "lost_peer_then_ctrl_c.py"], cwd=tmp_path,
+                           env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline() == "lost a peer\n"
+    job.send_signal(signal.SIGINT)  # run_main waits 2 s before it leaves a lost group
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130
+    assert stderr.splitlines() == ["Stopped by Ctrl-C."], stderr
