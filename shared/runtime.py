@@ -20,7 +20,12 @@ from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelK
 
 
 class UserError(Exception):
-    """A mistake the user can fix; the message says how. Printed without a stack trace."""
+    """A mistake the user can fix; the message says how. Printed without a stack trace. every_process:
+    a collective raised it on every process with this sentence, so rank 0 says it for all of them."""
+
+    def __init__(self, sentence, every_process=False):
+        super().__init__(sentence)
+        self.every_process = every_process
 
 
 def cpu_only():
@@ -252,7 +257,7 @@ def run_main(main):
                 print(f"error: {error}", file=sys.stderr, flush=True)
             if torch.distributed.is_initialized():
                 leave_process_group_together()
-            if rank:
+            if rank and not error.every_process:
                 # Usually every rank hits the same mistake and rank 0 has said it: the launcher stops this
                 # rank when rank 0 exits. A rank that fails alone still speaks.
                 time.sleep(3)
@@ -348,7 +353,7 @@ def raise_if_any_failed(error):
     first one given, so a failure on one process stops all of them with the same sentence."""
     failures = [message for message in gather_object([error]) if message]
     if failures:
-        raise UserError(failures[0])
+        raise UserError(failures[0], every_process=True)
 
 
 @contextlib.contextmanager
@@ -380,7 +385,7 @@ def on_main_process(accelerator, function):
             error = str(mistake)
     result, error = broadcast_object_list([result, error])
     if error is not None:
-        raise UserError(error)
+        raise UserError(error, every_process=True)
     return result
 
 
