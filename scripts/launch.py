@@ -28,7 +28,7 @@ from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shared.runtime import UserError, print_traceback_if_asked
+from shared.runtime import LOST_PEER_EXIT_CODE, UserError, print_traceback_if_asked
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,12 +76,14 @@ def check_script_flags(script, script_args):
         sys.argv[0] = program
 
 
-class RestartLine(logging.Handler):
-    """torchrun's log of a failed process, and of restarting the run, as one line per restart."""
+class TorchrunLog(logging.Handler):
+    """Reads torchrun's log: a failed process and the restart of the run become one line per restart,
+    and the processes torchrun itself stops are remembered (they are never the cause of a failure)."""
 
     def __init__(self):
         super().__init__()
         self.failed = None
+        self.stopped_by_torchrun = set()  # their pids
 
     def emit(self, record):
         try:
@@ -100,6 +102,8 @@ class RestartLine(logging.Handler):
             print(f"Restarting the run ({total - left + 1} of {total} restarts): {self.failed or 'a process failed'}; "
                   "it resumes from its newest checkpoint.", file=sys.stderr, flush=True)
             self.failed = None
+        elif message.startswith("Sending process") and "closing signal" in message:
+            self.stopped_by_torchrun.add(record.args[0])
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
             print("Restarting this machine's processes to rejoin another machine's restarted ones; "
                   "they resume from the newest checkpoint.", file=sys.stderr, flush=True)
@@ -113,12 +117,23 @@ def stopped(what, exitcode):
     fail(f"Training stopped: {what}. Resume with --resume_from_checkpoint latest if the run saved checkpoints.")
 
 
+def the_cause(failures, stopped_by_torchrun):
+    """The rank and failure that stopped the run: the first process torchrun saw end (its failures are
+    in that order) that it did not stop itself, and that was not a survivor leaving because another
+    process was lost. torchrun's own first failure goes by whole seconds, so a survivor may tie with it."""
+    first_hand = [(rank, failure) for rank, failure in failures.items() if failure.pid not in stopped_by_torchrun]
+    causes = [(rank, failure) for rank, failure in first_hand if failure.exitcode != LOST_PEER_EXIT_CODE]
+    return (causes or first_hand or list(failures.items()))[0]
+
+
 def how_it_ended(exitcode):
     if exitcode == -6:  # an abort in C++; NCCL's watchdog ends a process whose collective waited --ddp_timeout in vain this way
         return ("was killed by signal 6 (SIGABRT: an abort in PyTorch's C++ code; under NCCL, its watchdog after a collective "
                 "waited --ddp_timeout for another process)")
     if exitcode < 0:
         return f"was killed by signal {-exitcode}"
+    if exitcode == LOST_PEER_EXIT_CODE:
+        return "lost the connection to another process of the run (that process ended, or the network to its machine failed)"
     return f"exited with code {exitcode}"
 
 
@@ -164,7 +179,8 @@ def main():
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
-    elastic.addHandler(RestartLine())
+    log = TorchrunLog()
+    elastic.addHandler(log)
     agent_api.logger.setLevel(logging.INFO)  # its restart notice is an INFO record
     # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
     # parameters) too; errors still show. A value you set wins.
@@ -172,7 +188,7 @@ def main():
     try:
         launch_command(args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = the_cause(error.failures, log.stopped_by_torchrun)
         stopped(f"rank {rank} {how_it_ended(failure.exitcode)}", failure.exitcode)
     except subprocess.CalledProcessError as error:  # the one-process launcher
         stopped(f"the process exited with code {error.returncode}", error.returncode)

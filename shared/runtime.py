@@ -274,15 +274,16 @@ def run_main(main):
                 raise
             # Another process of the run, or its network, is gone (killed, out of memory, a machine
             # lost): the launcher says which process ended, and restarts the run if asked to. The
-            # survivors leave without a traceback each; one that waited --ddp_timeout in vain says so.
-            # They wait a moment first: torchrun names the first process it sees end (to the second),
-            # which must be the one that was lost, not a survivor.
+            # survivors leave without a traceback each, with an exit code of their own that tells the
+            # launcher they are not the cause; one that waited --ddp_timeout in vain says so. They wait
+            # a moment first: torchrun's own report names the first process it sees end (to the
+            # second), which should be the one that was lost, not a survivor.
             print_traceback_if_asked()
             if "imed out" in str(error):
                 print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
                       file=sys.stderr, flush=True)
             time.sleep(2)
-            exit_now(1)
+            exit_now(LOST_PEER_EXIT_CODE)
     except KeyboardInterrupt:
         # Ctrl-C reaches the launcher, which passes it to the processes one after another: a process
         # can meet it in training, or while it handles the loss of a process that stopped first.
@@ -299,6 +300,7 @@ def print_traceback_if_asked():
 
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
+LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
 
 
 def exit_now(code):

@@ -18,8 +18,10 @@ import pytest
 
 from conftest import CONFIGS, SCRIPTS, new_interpreter_env, python_command, read_metrics, run, script_env, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
+from test_scripts import load_script_module
 
 from shared.checkpoints import complete_checkpoints, damaged, latest_checkpoint, read_state
+from shared.runtime import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -96,6 +98,23 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
     assert read_state(newest)["global_step"] % 50 == 0
     run(training_command(num_processes, "--output_dir", killed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert_ends_like(reference, killed)
+
+
+def test_the_launcher_names_the_lost_process_not_a_survivor_or_one_it_stopped():
+    """torchrun's own first failure goes by whole seconds, so a survivor that left because its peer was
+    lost (LOST_PEER_EXIT_CODE) can tie with the lost process, and the processes torchrun then stopped
+    itself can tie with both: scripts/launch.py names the lost process, or, when no process of this
+    machine was lost (a machine or the network gone), the survivor."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    launch = load_script_module(LAUNCH)
+    failed = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+              for rank, code in ((0, LOST_PEER_EXIT_CODE), (1, -9), (2, -15))}  # in the order torchrun saw them end
+    assert launch.the_cause(failed, stopped_by_torchrun={102}) == (1, failed[1])
+    del failed[1]
+    rank, failure = launch.the_cause(failed, stopped_by_torchrun={102})
+    assert rank == 0 and launch.how_it_ended(failure.exitcode).startswith("lost the connection to another process of the run")
+    assert launch.the_cause({2: failed[2]}, stopped_by_torchrun={102}) == (2, failed[2])  # nothing better to name
 
 
 def test_crash_while_saving_leaves_the_previous_checkpoint_as_latest(small_data, tmp_path):

@@ -252,13 +252,16 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     cut = tmp_path / "cut"
     timeout_s = 10
     cut_args = [*args, "--checkpointing_steps", "20", "--ddp_timeout", str(timeout_s)]
-    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args)
+    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, launcher=(SCRIPTS / "launch.py",))
     wait_until(lambda: latest_checkpoint(cut / "checkpoints") is not None, machines[0], "its first checkpoint")
     ip("link", "set", hosts[0][1], "down", namespace=hosts[0][0])
     cut_at = time.monotonic()
     for machine in machines:
-        finish(machine, timeout_s + 60)
+        _, stderr = finish(machine, timeout_s + 60)
         assert machine.returncode != 0
+        # The process says why it stopped; the launcher, that no process of its machine was lost.
+        assert "] stopped: no answer from another process within --ddp_timeout" in stderr, stderr[-3000:]
+        assert "lost the connection to another process of the run (that process ended, or the network to its machine failed)" in stderr, stderr[-3000:]
     print(f"both hosts stopped {time.monotonic() - cut_at:.1f} s after the link went down")
     ip("link", "set", hosts[0][1], "up", namespace=hosts[0][0])
     machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, "--resume_from_checkpoint", "latest")
