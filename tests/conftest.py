@@ -10,6 +10,7 @@ would run the same; test_forked_runs.py shows that it ends as one does. The smok
 interpreter, as users start them.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -142,11 +143,29 @@ def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
 
 
 def free_port():
+    """A free port for a rendezvous that a launcher binds a moment later. Taken below the kernel's range
+    of ephemeral ports, where no other socket (the other test worker's gloo connections, say) is given
+    it by chance in that moment; each xdist worker tries its own block in turn."""
     import socket
 
-    with socket.socket() as sock:
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    block = (ephemeral_low - 10_000) // workers
+    start = 10_000 + block * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    for _ in range(max(block, 0)):
+        port = start + next(_next_port) % block
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range on this machine
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_next_port = itertools.count()
 
 
 def two_machines(cwd, machine_args, config="cpu.yaml"):
