@@ -272,7 +272,7 @@ def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("waiting_*"))) < 2:
+    while len([path for path in tmp_path.glob("waiting_*") if path.read_text()]) < 2:  # written, not only created
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.05)
     assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
