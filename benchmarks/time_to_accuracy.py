@@ -22,11 +22,11 @@ turns in rotating order; figures are medians over the rounds, with their range.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,8 +69,18 @@ def timed_epochs(command, output_dir, processes, stop=lambda record: False):
             time.sleep(0.02)
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_tree(job.pid)
         job.wait()
+
+
+def kill_tree(pid):
+    """SIGKILL a launch and every process under it. torchrun starts each training process in a session
+    of its own, which killing the launcher's process group misses: they trained on, beside the next
+    variant being timed."""
+    root = psutil.Process(pid)
+    for process in [*root.children(recursive=True), root]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def script_time(script, processes, data_dir, target, max_epochs, output_dir):

@@ -6,8 +6,11 @@ produced them working.
 
 import json
 import sys
+import time
 
-from conftest import REPO, run
+import psutil
+
+from conftest import CONFIGS, REPO, SCRIPTS, new_interpreter_env, run
 
 BENCHMARKS = REPO / "benchmarks"
 
@@ -52,6 +55,29 @@ def test_time_to_accuracy_benchmark_times_every_variant(data_dir, tmp_path):
     seconds = {name: value for name, (value, _) in row["rounds"][0].items()}
     assert set(seconds) == {"script x1", "script x2", "tutorial x1", "tutorial x2"} and all(s and s > 0 for s in seconds.values()), row
     assert [line.count("|") for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py |")] == [9, 9], result.stdout
+
+
+def test_a_launch_stopped_at_its_target_ends_with_every_training_process(tmp_path, monkeypatch):
+    """time_to_accuracy.py kills a launch once it has reached its target. torchrun starts each training
+    process in a session of its own: they must end with the launch, not train on beside the next
+    variant being timed. New interpreters: the tests' forks hang off a server, not off the launch."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import time_to_accuracy
+
+    for name, value in new_interpreter_env().items():
+        monkeypatch.setenv(name, value)
+    output_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+               SCRIPTS / "toy_mlp.py", "--output_dir", output_dir, "--num_epochs", "100000"]
+    records, _ = time_to_accuracy.timed_epochs(command, output_dir, 2, stop=lambda record: True)
+    assert records and records[0]["world_size"] == 2
+
+    def still_training():
+        return [process for process in psutil.process_iter(["cmdline"]) if str(output_dir) in " ".join(process.info["cmdline"] or [])]
+    deadline = time.monotonic() + 10
+    while still_training() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not still_training()
 
 
 def test_step_cost_benchmark_times_every_loop():
