@@ -17,6 +17,7 @@ are left out; a process killed from outside gets one line saying which rank stop
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,8 +103,9 @@ class TorchrunLog(logging.Handler):
             print(f"Restarting the run ({total - left + 1} of {total} restarts): {self.failed or 'a process failed'}; "
                   "it resumes from its newest checkpoint.", file=sys.stderr, flush=True)
             self.failed = None
-        elif message.startswith("Sending process") and "closing signal" in message:
-            self.stopped_by_torchrun.add(record.args[0])
+            self.stopped_by_torchrun.clear()  # a failure torchrun reports is of the newest start only
+        elif stopping := re.match(r"Sending process (\d+) closing signal", message):
+            self.stopped_by_torchrun.add(int(stopping[1]))
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
             print("Restarting this machine's processes to rejoin another machine's restarted ones; "
                   "they resume from the newest checkpoint.", file=sys.stderr, flush=True)
@@ -117,13 +119,13 @@ def stopped(what, exitcode):
     fail(f"Training stopped: {what}. Resume with --resume_from_checkpoint latest if the run saved checkpoints.")
 
 
-def the_cause(failures, stopped_by_torchrun):
+def cause_of_failure(failures, stopped_by_torchrun):
     """The rank and failure that stopped the run: the first process torchrun saw end (its failures are
     in that order) that it did not stop itself, and that was not a survivor leaving because another
     process was lost. torchrun's own first failure goes by whole seconds, so a survivor may tie with it."""
-    first_hand = [(rank, failure) for rank, failure in failures.items() if failure.pid not in stopped_by_torchrun]
-    causes = [(rank, failure) for rank, failure in first_hand if failure.exitcode != LOST_PEER_EXIT_CODE]
-    return (causes or first_hand or list(failures.items()))[0]
+    ended_on_their_own = [(rank, failure) for rank, failure in failures.items() if failure.pid not in stopped_by_torchrun]
+    causes = [(rank, failure) for rank, failure in ended_on_their_own if failure.exitcode != LOST_PEER_EXIT_CODE]
+    return (causes or ended_on_their_own or list(failures.items()))[0]
 
 
 def how_it_ended(exitcode):
@@ -179,8 +181,8 @@ def main():
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
-    log = TorchrunLog()
-    elastic.addHandler(log)
+    torchrun_log = TorchrunLog()
+    elastic.addHandler(torchrun_log)
     agent_api.logger.setLevel(logging.INFO)  # its restart notice is an INFO record
     # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
     # parameters) too; errors still show. A value you set wins.
@@ -188,7 +190,7 @@ def main():
     try:
         launch_command(args)
     except ChildFailedError as error:
-        rank, failure = the_cause(error.failures, log.stopped_by_torchrun)
+        rank, failure = cause_of_failure(error.failures, torchrun_log.stopped_by_torchrun)
         stopped(f"rank {rank} {how_it_ended(failure.exitcode)}", failure.exitcode)
     except subprocess.CalledProcessError as error:  # the one-process launcher
         stopped(f"the process exited with code {error.returncode}", error.returncode)

@@ -112,7 +112,8 @@ def check_processes_agree(accelerator, flags):
                 if first != other:
                     raise UserError(
                         f"The processes disagree before the first step: {what.format(name, other)} in process {rank} on "
-                        f"{theirs['host']} but {what.format(name, first)} in process 0 on {everyone[0]['host']}: {advice}."
+                        f"{theirs['host']} but {what.format(name, first)} in process 0 on {everyone[0]['host']}: {advice}.",
+                        every_process=True,  # each found it in the same gathered list
                     )
 
 
@@ -253,7 +254,8 @@ def run_main(main):
         except UserError as error:
             remove_what_the_failed_run_made()
             print_traceback_if_asked()
-            if rank == 0:
+            # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
+            if rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
                 print(f"error: {error}", file=sys.stderr, flush=True)
             if torch.distributed.is_initialized():
                 leave_process_group_together()

@@ -13,6 +13,7 @@ interpreter, as users start them.
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -165,7 +166,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
-_next_port = itertools.count()
+_next_port = itertools.count(random.randrange(10_000))  # another session on this machine starts elsewhere
 
 
 def two_machines(cwd, machine_args, config="cpu.yaml"):

@@ -5,6 +5,7 @@ and a process stuck in a collective still ends on SIGTERM. A resume after any of
 equal to a run that never stopped."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -108,13 +109,17 @@ def test_the_launcher_names_the_lost_process_not_a_survivor_or_one_it_stopped():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     launch = load_script_module(LAUNCH)
+    torchrun_log = launch.TorchrunLog()  # what torchrun logs as it stops the rest (torch's own format)
+    torchrun_log.emit(logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.WARNING, __file__, 0,
+                                        "Sending process %s closing signal %s", (102, "SIGTERM"), None))
+    assert torchrun_log.stopped_by_torchrun == {102}
     failed = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
               for rank, code in ((0, LOST_PEER_EXIT_CODE), (1, -9), (2, -15))}  # in the order torchrun saw them end
-    assert launch.the_cause(failed, stopped_by_torchrun={102}) == (1, failed[1])
+    assert launch.cause_of_failure(failed, torchrun_log.stopped_by_torchrun) == (1, failed[1])
     del failed[1]
-    rank, failure = launch.the_cause(failed, stopped_by_torchrun={102})
+    rank, failure = launch.cause_of_failure(failed, torchrun_log.stopped_by_torchrun)
     assert rank == 0 and launch.how_it_ended(failure.exitcode).startswith("lost the connection to another process of the run")
-    assert launch.the_cause({2: failed[2]}, stopped_by_torchrun={102}) == (2, failed[2])  # nothing better to name
+    assert launch.cause_of_failure({2: failed[2]}, torchrun_log.stopped_by_torchrun) == (2, failed[2])  # nothing better to name
 
 
 def test_crash_while_saving_leaves_the_previous_checkpoint_as_latest(small_data, tmp_path):
@@ -257,10 +262,10 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
         ([changed, *args], "cpu_gloo.py has SHA-256 ", "run the same code on every machine."),
     ):
         results = two_machines(tmp_path, [[script, *args], machine_1])
-        for result in results:
+        for result in results:  # each machine's terminal says it once
             assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        (line,) = [line for line in results[0].stderr.splitlines() if line.startswith("error:")]
-        assert line.startswith(f"error: The processes disagree before the first step: {difference}") and line.endswith(advice), line
+            (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+            assert line.startswith(f"error: The processes disagree before the first step: {difference}") and line.endswith(advice), line
         assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
