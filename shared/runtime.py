@@ -290,6 +290,7 @@ def run_main(main):
         # Ctrl-C reaches the launcher, which passes it to the processes one after another: a process
         # can meet it in training, or while it handles the loss of a process that stopped first.
         # One line for the run, not a traceback each.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
         remove_what_the_failed_run_made()
         if rank == 0:
             print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
