@@ -21,7 +21,8 @@ from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelK
 
 class UserError(Exception):
     """A mistake the user can fix; the message says how. Printed without a stack trace. every_process:
-    a collective raised it on every process with this sentence, so rank 0 says it for all of them."""
+    a collective raised it on every process with this sentence, so each machine's first process says
+    it for all of that machine's processes."""
 
     def __init__(self, sentence, every_process=False):
         super().__init__(sentence)

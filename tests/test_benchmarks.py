@@ -13,6 +13,7 @@ import psutil
 from conftest import CONFIGS, REPO, SCRIPTS, new_interpreter_env, run
 
 BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the benchmarks' own modules, for the tests that read them
 
 
 def test_throughput_benchmark_measures_every_variant(tmp_path):
@@ -20,7 +21,6 @@ def test_throughput_benchmark_measures_every_variant(tmp_path):
     cannot give: new interpreters would double the test's time)."""
     result = run([sys.executable, BENCHMARKS / "throughput.py", "--scripts", "cpu_gloo.py", "--processes", "2",
                   "--repeats", "1", "--num_epochs", "2", "--train_samples", "2000", "--output", tmp_path / "throughput"], cwd=REPO)
-    sys.path.insert(0, str(BENCHMARKS))
     from throughput import COLUMNS
 
     (row,) = json.loads((tmp_path / "throughput.json").read_text())
@@ -61,7 +61,6 @@ def test_a_launch_stopped_at_its_target_ends_with_every_training_process(tmp_pat
     """time_to_accuracy.py kills a launch once it has reached its target. torchrun starts each training
     process in a session of its own: they must end with the launch, not train on beside the next
     variant being timed. New interpreters: the tests' forks hang off a server, not off the launch."""
-    sys.path.insert(0, str(BENCHMARKS))
     import time_to_accuracy
 
     for name, value in new_interpreter_env().items():
