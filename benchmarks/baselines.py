@@ -18,11 +18,11 @@ import functools
 import importlib.util
 import os
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 # processes it starts; the benchmarks honor it too, so that the tests can hand all of them their fork
 # client (tests/fork_client.py). startup.py, which measures new interpreters, always uses sys.executable.
 PYTHON = os.environ.get("PYTHON_EXEC", sys.executable)
-from shared.data import PIXEL_STATS, InMemoryLoader, as_tensors  # noqa: E402
+from shared.in_memory_loader import InMemoryLoader  # noqa: E402
+from shared.mnist_data import PIXEL_STATS, as_tensors  # noqa: E402
+
+# The optimizer each script builds in its main() (tests/test_benchmarks.py checks that they agree).
+OPTIMIZERS = {"seq_net.py": torch.optim.Adam, "mnist_conv.py": torch.optim.Adadelta, "cpu_gloo.py": torch.optim.SGD}
 
 
 @functools.cache
@@ -65,7 +69,7 @@ def make_model(script):
 
 
 def make_optimizer(script, model, lr):
-    return script_module(script).make_optimizer(model, SimpleNamespace(lr=lr))
+    return OPTIMIZERS[script](model.parameters(), lr=lr)
 
 
 def load_data_set(script, data_dir, train=True):
@@ -105,7 +109,7 @@ def step(model, optimizer, loss_fn, inputs, labels):
 
 def scripts_step(accelerator, model, optimizer, loss_fn, inputs, labels, epoch_stats):
     """One training step as the scripts take it: the Accelerate-prepared model and optimizer inside
-    accelerator.accumulate, and the epoch's loss sum (shared.metrics.EpochStats)."""
+    accelerator.accumulate, and the epoch's loss sum (shared.epoch_stats.EpochStats)."""
     with accelerator.accumulate(model):
         loss = loss_fn(model(inputs), labels)
         accelerator.backward(loss)
@@ -175,8 +179,7 @@ class Ranks:
 
 def raw_ddp_memory(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
     train_set, stats = load_data_set(script, data_dir)
-    inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
-    loader = InMemoryLoader(inputs, labels, batch_size, Ranks(rank, world_size), seed=0)
+    loader = InMemoryLoader(as_tensors(train_set, stats), batch_size, Ranks(rank, world_size), seed=0)
     model = DDP(make_model(script)) if world_size > 1 else make_model(script)
     optimizer, loss_fn = make_optimizer(script, model, lr), script_module(script).loss_function
 
@@ -208,7 +211,7 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
                                   dynamo_backend="inductor" if gpu_setting.compile else "no")
     assert accelerator.num_processes == world_size, "every spawned process joined one group"
     train_set, stats = load_data_set(script, data_dir)
-    inputs, labels = as_tensors(train_set, stats, accelerator.device)
+    inputs, labels = (tensor.to(accelerator.device) for tensor in as_tensors(train_set, stats).tensors)
     steps = len(labels) // (batch_size * world_size)
     batches = [(inputs[i * batch_size:(i + 1) * batch_size], labels[i * batch_size:(i + 1) * batch_size]) for i in range(steps)]
     model = make_model(script)
@@ -229,8 +232,7 @@ def accelerate_ceiling(rank, world_size, script, data_dir, batch_size, num_epoch
 
 def compute_ceiling(rank, world_size, script, data_dir, batch_size, num_epochs, lr):
     train_set, stats = load_data_set(script, data_dir)
-    inputs, labels = as_tensors(train_set, stats, torch.device("cpu"))
-    inputs, labels = inputs[:batch_size], labels[:batch_size]
+    inputs, labels = (tensor[:batch_size] for tensor in as_tensors(train_set, stats).tensors)
     model = make_model(script)
     optimizer, loss_fn = make_optimizer(script, model, lr), script_module(script).loss_function
     steps = len(train_set) // batch_size
@@ -262,6 +264,13 @@ def _worker(rank, world_size, port, threads, own_session, baseline, args, result
         results.put(rates)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def spread(values, digits):
+    """The median of the values and their range, "m (low-high)"; "not reached" where any is None."""
+    if any(value is None for value in values):
+        return "not reached"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def rotated(names, turn):

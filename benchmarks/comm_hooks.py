@@ -43,13 +43,6 @@ def measure(records, seen):
     return {"step_ms": 1000 / steps_per_s, "time_to_accuracy_s": reached, "accuracy": records[-1]["eval_accuracy"]}
 
 
-def spread(values, digits):
-    values = [value for value in values if value is not None]
-    if not values:
-        return "not reached"
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="data_offline")
@@ -75,8 +68,8 @@ def main():
             mine = [row for row in rows if (row["processes"], row["hook"]) == (processes, hook)]
             ratios = [row["step_ms"] / next(other["step_ms"] for other in rows if (other["round"], other["processes"], other["hook"])
                                              == (row["round"], processes, "no")) for row in mine]
-            print(f"| {processes} | {hook} | {spread([row['step_ms'] for row in mine], 2)} | {spread(ratios, 2)} | "
-                  f"{spread([row['time_to_accuracy_s'] for row in mine], 1)} | {spread([row['accuracy'] for row in mine], 3)} |")
+            print(f"| {processes} | {hook} | {baselines.spread([row['step_ms'] for row in mine], 2)} | {baselines.spread(ratios, 2)} | "
+                  f"{baselines.spread([row['time_to_accuracy_s'] for row in mine], 1)} | {baselines.spread([row['accuracy'] for row in mine], 3)} |")
 
 
 if __name__ == "__main__":

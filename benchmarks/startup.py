@@ -20,8 +20,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tools")]
-from datagen import write_small_mnist  # noqa: E402
+sys.path[:0] = [str(REPO / "tools"), str(REPO / "benchmarks")]
+from baselines import spread  # noqa: E402
+from synthetic_digits import write_small_mnist  # noqa: E402
 
 
 def cpu_seconds(command, env):
@@ -60,8 +61,7 @@ def main():
     print(f"CPU seconds per new process, median (range) of {args.rounds} rounds\n")
     print("| command | CPU s | over `import torch, accelerate` |\n|---|---|---|")
     for name in names:
-        median = statistics.median(times[name])
-        print(f"| {name} | {median:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | {median / first:.2f}x |")
+        print(f"| {name} | {spread(times[name], 2)} | {statistics.median(times[name]) / first:.2f}x |")
 
 
 if __name__ == "__main__":

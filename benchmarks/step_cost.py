@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from shared.runtime import Preemption  # noqa: E402
+from shared.preemption import Preemption  # noqa: E402
 
 LOOPS = ("DDP step", "+ fixed gradient layout", "+ stop check every step", f"+ stop check every {Preemption.CHECK_EVERY} steps")
 

@@ -148,10 +148,9 @@ def medians(row):
     return {**row, **{name: statistics.median(r[name] for r in row["rounds"]) for name in row["rounds"][0]}}
 
 
-def ratio(row, numerator, denominator):
-    """The median over rounds of numerator / denominator within one round, and its range."""
-    values = sorted(r[numerator] / r[denominator] for r in row["rounds"])
-    return statistics.median(values), values[0], values[-1]
+def ratios(row, numerator, denominator):
+    """numerator / denominator within each round."""
+    return [r[numerator] / r[denominator] for r in row["rounds"]]
 
 
 COLUMNS = {  # variant -> table heading
@@ -181,10 +180,7 @@ def tables(rows):
         lines.append(f"| {r['script']} | {r['processes']} | {r['batch_size']} | " + " | ".join(f"{r[k]:,.0f}" for k in measured) + " |")
     lines += ["", "| script | processes | " + " | ".join(RATIOS[k] for k in denominators) + " |", "|---" * (2 + len(denominators)) + "|"]
     for r in rows:
-        cells = []
-        for denominator in denominators:
-            middle, low, high = ratio(r, "default_memory", denominator)
-            cells.append(f"{middle:.2f} ({low:.2f}-{high:.2f})")
+        cells = [baselines.spread(ratios(r, "default_memory", denominator), 2) for denominator in denominators]
         lines.append(f"| {r['script']} | {r['processes']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -197,19 +193,19 @@ def targets(rows):
     checks = []
     if ("cpu_gloo.py", 2) in found:
         r = found["cpu_gloo.py", 2]
-        checks.append(("cpu_gloo, 2 processes, batch 64: default >= 0.85 x step ceiling", ratio(r, "default_memory", "step_ceiling"), 0.85))
-        checks.append(("cpu_gloo, 2 processes, batch 64: default >= 4 x tutorial recipe", ratio(r, "default_memory", "tutorial_recipe"), 4.0))
+        checks.append(("cpu_gloo, 2 processes, batch 64: default >= 0.85 x step ceiling", ratios(r, "default_memory", "step_ceiling"), 0.85))
+        checks.append(("cpu_gloo, 2 processes, batch 64: default >= 4 x tutorial recipe", ratios(r, "default_memory", "tutorial_recipe"), 4.0))
         checks.append(("cpu_gloo, 2 processes, batch 64: default >= 4 x tutorial recipe given matched threads (stricter than asked)",
-                       ratio(r, "default_memory", "tutorial_recipe_matched_threads"), 4.0))
+                       ratios(r, "default_memory", "tutorial_recipe_matched_threads"), 4.0))
     if ("mnist_conv.py", 1) in found:
         r = found["mnist_conv.py", 1]
-        checks.append(("mnist_conv, 1 process, batch 64: default >= 0.95 x compute ceiling", ratio(r, "default_memory", "compute_ceiling_1proc"), 0.95))
+        checks.append(("mnist_conv, 1 process, batch 64: default >= 0.95 x compute ceiling", ratios(r, "default_memory", "compute_ceiling_1proc"), 0.95))
     for r in rows:
         if r["processes"] > 1:  # one process has no DDP to compare with: that row compares with the bare model
             checks.append((f"{r['script']}, {r['processes']} processes: Accelerate >= 0.97 x raw DDP, same data path",
-                           ratio(r, "default_memory", "raw_ddp_memory"), 0.97))
-    return "\n".join(f"- {'PASS' if middle >= bound else 'MISS'}: {name} (median {middle:.3f}, rounds {low:.3f}-{high:.3f})"
-                     for name, (middle, low, high), bound in checks)
+                           ratios(r, "default_memory", "raw_ddp_memory"), 0.97))
+    return "\n".join(f"- {'PASS' if statistics.median(values) >= bound else 'MISS'}: {name} (median {statistics.median(values):.3f}, "
+                     f"rounds {min(values):.3f}-{max(values):.3f})" for name, values, bound in checks)
 
 
 def plot(rows, path):

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,14 +124,6 @@ def measure(scripts, data_dir, rounds, max_epochs, workdir, json_path):
     return rows
 
 
-def summary(values):
-    """median (low-high) of the values, or 'not reached' if any round missed."""
-    if any(value is None for value in values):
-        return "not reached"
-    values = sorted(values)
-    return f"{statistics.median(values):.1f} ({values[0]:.1f}-{values[-1]:.1f})"
-
-
 def table(rows):
     lines = ["| script | target | processes | script: s to target | epochs | tutorial recipe: s to target | epochs | tutorial s / script s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -142,9 +133,9 @@ def table(rows):
             tutorial = [r[f"tutorial x{processes}"] for r in row["rounds"]]
             ratios = [t[0] / s[0] if t[0] and s[0] else None for s, t in zip(ours, tutorial)]
             epochs = [sorted({e for _, e in runs if e}) for runs in (ours, tutorial)]
-            lines.append(f"| {row['script']} | {row['target']:.2f} | {processes} | {summary([s for s, _ in ours])} | "
-                         f"{'/'.join(map(str, epochs[0])) or '-'} | {summary([s for s, _ in tutorial])} | "
-                         f"{'/'.join(map(str, epochs[1])) or '-'} | {summary(ratios).replace(' (', 'x (')} |")
+            lines.append(f"| {row['script']} | {row['target']:.2f} | {processes} | {baselines.spread([s for s, _ in ours], 1)} | "
+                         f"{'/'.join(map(str, epochs[0])) or '-'} | {baselines.spread([s for s, _ in tutorial], 1)} | "
+                         f"{'/'.join(map(str, epochs[1])) or '-'} | {baselines.spread(ratios, 1).replace(' (', 'x (')} |")
     return "\n".join(lines)
 
 

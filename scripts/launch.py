@@ -22,14 +22,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command, launch_command_parser
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shared.runtime import LOST_PEER_EXIT_CODE, UserError, print_traceback_if_asked
+from shared.devices import require_gpus
+from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, print_traceback_if_asked
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,11 +48,11 @@ def check_profile(path, cpu_flag):
     except Exception as error:  # YAML and accelerate's own checks raise many kinds
         reason = " ".join(str(error).split())[:200]
         fail(f"Profile {path} could not be read ({reason}): fix it, or write a new one with `accelerate config --config_file {path}`.")
-    if not (config.use_cpu or cpu_flag) and not torch.cuda.is_available():
-        fail(
-            f"Profile {path} asks for GPUs ({config.distributed_type}, {config.num_processes} processes) but PyTorch "
-            "sees no GPU on this machine: use --config_file accelerate_configs/cpu.yaml, or install a CUDA build of PyTorch."
-        )
+    if not (config.use_cpu or cpu_flag):
+        try:
+            require_gpus(f"Profile {path} asks for GPUs ({config.distributed_type}, {config.num_processes} processes)")
+        except UserError as error:
+            fail(str(error))
     return config
 
 
@@ -114,7 +114,7 @@ class TorchrunLog(logging.Handler):
 def stopped(what, exitcode):
     """Exit code 1 means the process already printed why (its one-sentence error, or a bug's traceback);
     143, that the run saved a checkpoint on a signal to stop and said where."""
-    if exitcode in (1, 143):
+    if exitcode in (1, STOPPED_EXIT_CODE):
         sys.exit(exitcode)
     fail(f"Training stopped: {what}. Resume with --resume_from_checkpoint latest if the run saved checkpoints.")
 

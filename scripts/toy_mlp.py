@@ -1,11 +1,17 @@
 """Toy 2-feature MLP on 5 built-in training rows (tutorial 003), data-parallel through Hugging Face Accelerate.
 
+The first rung of the templates: the Accelerate calls a data-parallel script needs, and nothing else.
+The MNIST scripts add checkpoints, preemption, tracking, profiling and early stopping to the same loop.
+
 Run on one process:           python scripts/toy_mlp.py
-On 2 CPU processes (gloo):    accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 scripts/toy_mlp.py
-From a notebook:              notebook_launcher(main, args=([],), num_processes=2)   (see the README)
+On 2 CPU processes (gloo):    python scripts/launch.py --config_file accelerate_configs/cpu.yaml --num_processes 2 scripts/toy_mlp.py
+On 2 GPUs:                    accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/toy_mlp.py
+From a notebook:              notebook_launcher(main, args=([],), num_processes=2)
 """
 
-import math
+import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +19,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from shared import checkpoints, cli, data, metrics, profiling, run_folder, runtime, tracking
-from shared.early_stopping import EarlyStopping
+from shared.errors import UserError, run_main
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
@@ -39,138 +44,110 @@ class NeuralNetwork(torch.nn.Module):
         return self.layers(x)
 
 
-loss_function = F.cross_entropy  # NeuralNetwork returns logits
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag ends in one sentence that says what to do, not argparse's usage text."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see {self.prog} --help for what it takes.")
 
 
-def make_optimizer(model, args):
-    return torch.optim.SGD(model.parameters(), lr=args.lr)
+def positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+    return parse
 
 
 def parse_args(argv=None):
-    # Batch 8: all 5 rows in one step, splitting over the 1, 2, 4 and 8 processes of every profile (the
-    # tutorial gave each of its 2 GPUs 2 rows a step). Where 8 exceeds the rows, accelerate tops the step
-    # up with rows from the start of the epoch, so each process has one.
-    parser = cli.training_parser(__doc__, name="toy_mlp", num_epochs=3, batch_size=8, lr=0.5, eval_batch_size=2, seed=123)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="runs/toy_mlp", help="where metrics.jsonl and model.safetensors go (default: %(default)s)")
+    parser.add_argument("--num_epochs", type=positive(int), default=3, help="passes over the training rows (default: %(default)s)")
+    # Batch 8: all 5 rows in one step, split over the 1, 2, 4 or 8 processes of every profile (where 8 exceeds
+    # the rows, accelerate tops the step up with rows from the start of the epoch, so each process has one).
+    parser.add_argument("--batch_size", type=positive(int), default=8,
+                        help="rows per optimizer step, split evenly across the processes, so that any number of processes "
+                        "trains the same model (default: %(default)s)")
+    parser.add_argument("--lr", type=positive(float), default=0.5, help="SGD's learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=123, help="seed for the weights and the shuffling (default: %(default)s)")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                        help="autocast precision (default: the launch profile's, else no)")
     return parser.parse_args(argv)
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator, prefix):
+    """Accuracy over all of loader's rows, each counted once, the same on every process."""
+    model.eval()
+    correct = total = 0
+    for features, labels in loader:
+        # Every process's predictions, less the rows the prepared loader repeated to even out the last batch.
+        predictions, labels = accelerator.gather_for_metrics((model(features).argmax(dim=1), labels))
+        correct += int((predictions == labels).sum())
+        total += len(labels)
+    model.train()
+    return {f"{prefix}_accuracy": correct / total, f"{prefix}_samples": total}
 
 
 def main(argv=None):
     args = parse_args(argv)
-    trackers = tracking.log_with(args.with_tracking, args.report_to)  # None unless --with_tracking
-    accelerator = Accelerator(
-        cpu=runtime.cpu_only(),
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # The shuffle order depends only on the seed and the epoch, identically on every process.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
-        step_scheduler_with_optimizer=False,
-        # --ddp_timeout, --ddp_comm_hook, --ddp_bucket_cap_mb; at 3+ processes one gradient layout all run long,
-        # so a run with or without checkpoints, resumed or not, ends bitwise the same.
-        kwargs_handlers=runtime.distributed_kwargs(args.ddp_timeout, args.ddp_comm_hook, args.ddp_bucket_cap_mb),
-        log_with=trackers,
-        project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
-    )
+    # On a machine without GPUs, cpu=True puts a launch's processes into one gloo group (else each trains alone).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
+                              # The shuffle order depends only on the seed and the epoch, identically on every process.
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed))
     set_seed(args.seed)
-    # Every process trains the same: the same training flags, code and packages, or all stop naming the difference.
-    runtime.check_processes_agree(accelerator, vars(args))
-    # Refuses an --output_dir that holds an earlier run or a live one, before anything is written.
-    output_dir = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
-                                    resuming=bool(args.resume_from_checkpoint) or args.eval_only)
-
-    # --batch_size samples per step, split across the processes: any world size trains the same model.
-    batch_size = cli.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
-    train_set, test_set = TensorDataset(X_TRAIN, Y_TRAIN), TensorDataset(X_TEST, Y_TEST)
-    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
-    train_eval_loader = DataLoader(train_set, batch_size=args.eval_batch_size)
-    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size)
+    output_dir = Path(args.output_dir)
+    if (output_dir / "metrics.jsonl").exists() or (output_dir / "model.safetensors").exists():  # never write over earlier results
+        raise UserError(f"--output_dir {output_dir} already holds a run: choose another --output_dir.", every_process=True)
+    # --batch_size rows per step, split across the processes: any world size takes the same steps on the same rows.
+    if args.batch_size % accelerator.num_processes:
+        raise UserError(f"--batch_size {args.batch_size} does not split evenly across {accelerator.num_processes} processes: "
+                        f"pass a multiple of {accelerator.num_processes}.", every_process=True)
+    train_set = TensorDataset(X_TRAIN, Y_TRAIN)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size // accelerator.num_processes, shuffle=True)
+    train_eval_loader = DataLoader(train_set, batch_size=2)
+    test_loader = DataLoader(TensorDataset(X_TEST, Y_TEST), batch_size=2)
 
     model = NeuralNetwork(num_inputs=2, num_outputs=2)
-    optimizer = make_optimizer(model, args)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-    # prepare() puts every tensor on the right device, so accuracy is never computed on stray CPU
-    # tensors, and shards the loaders so each process sees its own rows.
-    model, optimizer, train_loader, train_eval_loader, test_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, train_eval_loader, test_loader, scheduler
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    # prepare() wraps the model in DDP and puts it on the device, and shards each loader so that every
+    # process sees its own rows, on the same device as the model.
+    model, optimizer, train_loader, train_eval_loader, test_loader = accelerator.prepare(
+        model, optimizer, train_loader, train_eval_loader, test_loader
     )
 
-    if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
-        weights = checkpoints.load_weights(args.resume_from_checkpoint, accelerator, model, output_dir)
-        results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
-        metrics.report_eval(results, weights, accelerator, output_dir)
-        accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
-        accelerator.end_training()
-        return
+    for epoch in range(1, args.num_epochs + 1):
+        model.train()
+        train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
+        loss_sum, rows = torch.zeros((), device=accelerator.device), 0
+        for features, labels in train_loader:
+            loss = F.cross_entropy(model(features).float(), labels)  # fp32 whatever the model computes in
+            accelerator.backward(loss)  # gradients are averaged across processes here
+            optimizer.step()
+            optimizer.zero_grad()
+            loss_sum += loss.detach() * len(labels)  # on the device: no sync per step
+            rows += len(labels)
+        # The mean loss over every process's rows: the processes' sums, added up.
+        loss_sum, rows = accelerator.reduce(torch.stack([loss_sum, loss_sum.new_tensor(rows)]), reduction="sum").tolist()
+        record = {"epoch": epoch, "train_loss": loss_sum / rows, **evaluate(model, train_eval_loader, accelerator, "train_eval"),
+                  **evaluate(model, test_loader, accelerator, "eval"), "world_size": accelerator.num_processes}
+        accelerator.print(f"epoch {epoch}/{args.num_epochs}  train_loss {record['train_loss']:.4f}  train accuracy "
+                          f"{record['train_eval_accuracy']:.2f}  test accuracy {record['eval_accuracy']:.2f}  world_size {record['world_size']}")
+        if accelerator.is_main_process:  # one process writes the record
+            output_dir.mkdir(parents=True, exist_ok=True)
+            with open(output_dir / "metrics.jsonl", "a") as file:
+                file.write(json.dumps(record) + "\n")
 
-    cli.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
-    num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
-    metrics_log = metrics.MetricsLog(output_dir, accelerator)
-    checkpointer = checkpoints.Checkpointer(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
-                                            batch_size=batch_size, num_epochs=num_epochs)
-    # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops.
-    preemption = runtime.Preemption(accelerator, enabled=bool(args.checkpointing_steps))
-    start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
-    if args.resume_from_checkpoint:
-        # Every process loads its saved state: weights, optimizer, RNG.
-        start = checkpointer.resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
-        metrics_log.continue_from(start)
-    early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
-    if args.with_tracking:
-        accelerator.init_trackers("toy_mlp", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
-
-    step = start.global_step
-    # --profile: torch.profiler records a window of steps on every process, then writes traces and a table.
-    with accelerator.profile(profiling.window(accelerator, output_dir, model)) if args.profile else profiling.off() as profiler:
-        for epoch in range(start.epoch, num_epochs + 1):
-            model.train()
-            train_loader.set_epoch(epoch)  # the epoch's shuffle order, the same on every process
-            resuming = epoch == start.epoch and start.batches_done > 0
-            batches = data.skip_first_batches(accelerator, train_loader, start.batches_done) if resuming else train_loader
-            stats = metrics.EpochStats(accelerator, carried_over=start if resuming else None)
-            for features, labels in batches:
-                with accelerator.accumulate(model):
-                    loss = loss_function(model(features).float(), labels)  # fp32 whatever the model computes in
-                    accelerator.backward(loss)  # gradients are averaged across processes here
-                    optimizer.step()
-                    optimizer.zero_grad()
-                stats.add(loss, len(labels))
-                profiler.step()  # --profile: one more step of its window
-                if accelerator.sync_gradients:  # an optimizer step happened
-                    step += 1
-                    stopping = preemption.stop_agreed(step)
-                    if stopping or checkpointer.due(step):
-                        saved = checkpointer.save(epoch, step, stats)
-                    if stopping:
-                        raise runtime.Preempted(f"saved {saved} after step {step}; continue with --resume_from_checkpoint latest.")
-                    if step == args.max_train_steps:
-                        break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
-            scheduler.step()
-            trained = stats.summary()  # the epoch's loss, samples/s and peak memory, before evaluation
-
-            # Accuracy over ALL processes' rows, each row once (the tutorial computed it per rank).
-            train_eval = metrics.evaluate(model, train_eval_loader, accelerator, loss_function, num_classes=2, prefix="train_eval")
-            results = metrics.evaluate(model, test_loader, accelerator, loss_function, num_classes=2)
-            record = metrics_log.write(epoch, train_eval, trained, results, {"step": step, "lr": scheduler.get_last_lr()[0]})
-            accelerator.print(metrics.epoch_line(record, num_epochs))
-            accelerator.log(tracking.scalars(record), step=epoch)
-            if args.checkpointing_steps == "epoch" and stats.batches == len(train_loader):  # a whole epoch
-                checkpointer.save(epoch + 1, step)
-            if reason := early_stopping.stop_after(record):  # the same epoch on every process
-                accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
-                break
-
-        accelerator.print(f"Training accuracy {record['train_eval_accuracy']:.2f}  Test accuracy {record['eval_accuracy']:.2f}")
     accelerator.wait_for_everyone()
-    # model.safetensors, from the main process only; unwrapped from DDP and torch.compile so that
-    # it loads into the plain model class. A failed write stops every process with one sentence.
-    with runtime.stop_all_if_write_fails(output_dir / run_folder.MODEL_FILE, "free space or fix the folder, and train again."):
-        accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
-    accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
-    accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
+    # model.safetensors from the main process, unwrapped from DDP and torch.compile so that it loads into a plain NeuralNetwork.
+    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
+    accelerator.print(f"Saved the trained model to {output_dir / 'model.safetensors'}")
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    runtime.run_main(main)
+    run_main(main)

@@ -1,18 +1,14 @@
-"""Full training state under <output_dir>/checkpoints/step_NNNNNNNN, written atomically, checked, and resumed exactly.
+"""Checkpoints around accelerator.save_state and load_state: written atomically, checked, resumed exactly.
 
-A checkpoint is written into a hidden .tmp_ folder and renamed only once every process has finished,
-so a crash or a full disk while saving never leaves a broken folder that `latest` could pick. Its
-trainer_state.json records where in the epoch it stopped in samples, so a resume with another
-number of processes (or another batch size) knows which batch comes next, or says that it cannot
-know; and the SHA-256 of every file it holds, so a file damaged since is found before it is loaded.
-
-The main process decides what to resume, and every process loads that one. Where the machines do not
-share --output_dir (run_folder.prepare found out, and set accelerate's save_on_each_node), the first
-process of every machine writes, checks and renames its own copy of each checkpoint.
+The script calls save_state into the folder that `Checkpoints.saving` gives it, a hidden .tmp_
+folder renamed only once every process has finished, so a crash or a full disk while saving never
+leaves a broken folder that `latest` could pick. Its trainer_state.json records where in the epoch it
+stopped, in samples, so a resume with another number of processes (or batch size) knows which batch
+comes next or says that it cannot; and every file's SHA-256, so a file damaged since is found first.
 """
 
+import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -21,21 +17,17 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from shared import runtime
-from shared.metrics import last_record
-from shared.run_folder import CHECKPOINT_FOLDER, MODEL_FILE
-from shared.runtime import UserError, first_line
-
-STATE_FILE = "trainer_state.json"
-PREFIX = "step_"
-KEEP_UNDER_RESTARTS = 2  # the newest to resume from, and one before it in case the newest is damaged
+from shared import checkpoint_digests, stop_together
+from shared.errors import UserError, first_line
+from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in, writes_here
 
 
 @dataclasses.dataclass
 class Position:
-    """Where training (re)starts: the epoch to run, how far into it the checkpoint got, and what the
-    epoch had summed so far. A new run starts at Position(): epoch 1, nothing done."""
+    """Where training (re)starts: the checkpoint (None: a new run), the epoch to run, how far into it the
+    checkpoint got, and what the epoch had summed so far."""
 
+    path: Path = None
     epoch: int = 1
     batches_done: int = 0  # batches each process has already trained in this epoch
     global_step: int = 0  # optimizer steps taken so far
@@ -44,146 +36,109 @@ class Position:
     elapsed_s: float = 0.0  # since the run first started
 
 
-class Checkpointer:
-    """Saves the full training state every `every` optimizer steps (--checkpointing_steps N; 'epoch' and
-    None are left to the script), keeping the newest `keep` (--keep_last_checkpoints), and resumes it.
-    `batch_size` is each process's, `num_epochs` the run's."""
+class Checkpoints:
+    """The checkpoints of the run in output_dir: --checkpointing_steps (`every`: N optimizer steps or
+    'epoch'), --keep_last_checkpoints (`keep`); `batch_size` is each process's, `num_epochs` the run's."""
 
     def __init__(self, accelerator, output_dir, *, every, keep, batch_size, num_epochs):
-        self.accelerator = accelerator
-        self.output_dir = Path(output_dir)
-        self.folder = self.output_dir / CHECKPOINT_FOLDER
-        self.every = every
-        self.batch_size = batch_size
-        self.num_epochs = num_epochs
+        self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
+        self.every, self.keep, self.batch_size, self.num_epochs = every, keep, batch_size, num_epochs
         self.started = time.perf_counter()
-        self.keep = keep
-        if self.keep is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-            self.keep = KEEP_UNDER_RESTARTS  # a launcher that restarts the run would otherwise pile them up
-        # Whether this process writes a checkpoint folder: the main process, and with one disk per
-        # machine the first process of every machine.
-        self.writes_folder = accelerator.is_main_process or (
-            accelerator.is_local_main_process and accelerator.project_configuration.save_on_each_node
-        )
+        self.newest = None  # the last checkpoint this run saved
+        self.writes_folder = writes_here(accelerator)
 
     def due(self, step):
         """Whether --checkpointing_steps N asks for a save after this optimizer step."""
         return isinstance(self.every, int) and step % self.every == 0
 
-    def save(self, epoch, step, stats=None):
-        """Save everything a resume needs: accelerator.save_state (model, optimizer, scheduler, every
-        process's RNG state) and where the run stands. `stats` (metrics.EpochStats) marks a save inside
-        the epoch: how many batches it had trained and its loss sums so far (one all-reduce); without
-        it the save is at the start of `epoch`. Returns the checkpoint's folder.
+    def due_after_epoch(self, whole_epoch):
+        """Whether --checkpointing_steps epoch asks for a save after an epoch (not one cut short by --max_train_steps)."""
+        return self.every == "epoch" and whole_epoch
+
+    @contextlib.contextmanager
+    def saving(self, epoch, step, stats=None):
+        """Every process must enter this around accelerator.save_state(folder), with the folder it gives.
+        `stats` (epoch_stats.EpochStats) marks a save inside the epoch, with its batches and loss sums so
+        far (one all-reduce); without it the save is at the start of `epoch`. On a clean exit the folder
+        becomes checkpoints/step_<step> (self.newest): its digests and position recorded, renamed, older
+        ones pruned.
 
         A save that fails on any process (a full disk, no permission, an I/O error) stops every process
         with one sentence; the checkpoints before it stay complete and `latest` still names the newest."""
-        position = Position(epoch, 0, step, elapsed_s=self.elapsed())
+        position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
         if stats is not None:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
-        final, partial = self.folder / f"{PREFIX}{step:08d}", self.folder / f".tmp_{PREFIX}{step:08d}"
+        final, partial = checkpoint_folder(self.output_dir, step), checkpoint_folder(self.output_dir, step, ".tmp_")
         if self.writes_folder:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
         self.accelerator.wait_for_everyone()
-        previous = latest_checkpoint(self.folder)
+        previous = checkpoints_in(self.folder)[-1:]
         advice = "free space or fix the folder, then " + (
-            f"resume with --resume_from_checkpoint latest, which is {previous} and complete." if previous
+            f"resume with --resume_from_checkpoint latest, which is {previous[0]} and complete." if previous
             else "start again: this run saved no checkpoint before.")
         try:
-            with runtime.stop_all_if_write_fails(final, advice):
-                self.accelerator.save_state(partial)
-            with runtime.stop_all_if_write_fails(final, advice):
-                self._complete(partial, final, position)
+            with stop_together.if_write_fails(final, advice):
+                yield partial
+            self.accelerator.wait_for_everyone()  # every process has written its part
+            digests = checkpoint_digests.record(self.accelerator, partial)
+            with stop_together.if_write_fails(final, advice):
+                if self.writes_folder:
+                    self._complete(partial, final, position, digests)
+            self.newest = final
         except UserError:
             if self.writes_folder:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
-        return final
 
-    def _complete(self, partial, final, position):
-        """Where this process writes a folder: record the position and the files' digests, then make
-        the folder a checkpoint by its rename."""
-        if not self.writes_folder:
-            return
-        state = dataclasses.asdict(position)
-        state.update(
-            world_size=self.accelerator.num_processes,
-            batch_size=self.batch_size,
-            samples_done=position.batches_done * self.accelerator.num_processes * self.batch_size,
-            num_epochs=self.num_epochs,
-            files=digests(partial),
-        )
+    def _complete(self, partial, final, position, digests):
+        """Record the position and the files' digests, then make the folder a checkpoint by its rename."""
+        state = {name: value for name, value in dataclasses.asdict(position).items() if name != "path"} | {
+            "world_size": self.accelerator.num_processes, "batch_size": self.batch_size,
+            "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
+            "num_epochs": self.num_epochs, "files": digests}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        if final.exists():  # the same step saved before, by a run this one resumed from; a damaged one is kept aside
-            final.rename(final.with_name(f"damaged_{final.name}")) if damaged(final) else shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)  # the same step, saved by a run that this one resumed from an earlier step
         partial.rename(final)
         if self.keep:
-            for old in complete_checkpoints(self.folder)[:-self.keep]:
+            for old in checkpoints_in(self.folder)[:-self.keep]:
                 shutil.rmtree(old)
 
-    def elapsed(self):
-        return time.perf_counter() - self.started
+    def where_to_resume(self, spec, *, max_train_steps, split_batches):
+        """Every process must call this: the Position to resume from, for --resume_from_checkpoint `spec`
+        (a folder, or `latest`), before the script's accelerator.load_state(position.path).
 
-    def resume(self, spec, *, max_train_steps, split_batches):
-        """Load the state that `spec` (--resume_from_checkpoint: a folder, or `latest`) names on every
-        process; where to continue.
-
-        The main process chooses: `latest` is the newest checkpoint whose files are as they were saved
-        (a damaged one is skipped with a line saying so, never deleted); a named one that is damaged
-        stops the run. `latest` in an --output_dir with no checkpoint yet starts a new run (a requeued
-        job's first start); a run that holds epochs but no checkpoint, or that already finished its
-        epochs or its `max_train_steps`, stops with a sentence. `split_batches` only words advice."""
-        chosen = runtime.on_main_process(self.accelerator, lambda: self._choose(spec, max_train_steps))
-        if chosen is None:
+        `latest` is the newest checkpoint whose files are as they were saved (see first_intact); in an
+        --output_dir with no checkpoint yet it starts a new run (a requeued job's first start). A run
+        that holds epochs but no intact checkpoint, or has finished its epochs or its `max_train_steps`,
+        stops with a sentence. `split_batches` only words advice."""
+        path = first_intact(self.accelerator, self.output_dir, spec)
+        if path is None:
+            stop_together.on_main_process(self.accelerator, self._nothing_to_resume)
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
-        path, state = chosen
-        if spec == "latest":
-            path = self.folder / path.name  # this machine's copy, where the machines have a disk each
-        # The main process checked its copy; every other machine with a disk of its own checks its own.
-        runtime.raise_if_any_failed(damaged(path) if self.writes_folder and not self.accelerator.is_main_process else None)
-        batches_done = self._batches_to_skip(path, state, split_batches)
-        load_state(self.accelerator, path)
+        state = json.loads((path / STATE_FILE).read_text())
+        stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(state, max_train_steps))
         self.started = time.perf_counter() - state["elapsed_s"]
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.accelerator.print(
-            (f"Restart {restart} after a lost process: r" if restart else "R")
-            + f"esumed from {path}: epoch {state['epoch']}, {batches_done} batches in, step {state['global_step']}."
-        )
-        return Position(state["epoch"], batches_done, state["global_step"], tuple(state["epoch_totals"]),
-                        state["epoch_seconds"], state["elapsed_s"])
+        return Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
+                        tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
 
-    def _choose(self, spec, max_train_steps):
-        """On the main process: the checkpoint to resume and its state, or None to start anew."""
-        last = last_record(self.output_dir)  # of metrics.jsonl, or None
-        path = intact_latest(self.folder, self.accelerator.print) if spec == "latest" else Path(spec)
-        if path is None:
-            if last:  # never train again over the epochs of a run that saved no checkpoint
-                which = "no intact checkpoint" if complete_checkpoints(self.folder) else "no checkpoint"
-                raise UserError(
-                    f"{self.output_dir} holds a run but {which} to resume: choose another "
-                    "--output_dir, or pass --overwrite_output_dir instead of --resume_from_checkpoint."
-                )
-            return None
-        state = read_state(path)
-        if spec != "latest" and (damage := damaged(path)):
-            raise UserError(damage)
-        if max_train_steps:
-            trained = max(state["global_step"], last["step"] if last else 0)
-            if trained >= max_train_steps:
-                raise UserError(
-                    f"The run in {self.output_dir} already trained {trained} steps: pass a larger "
-                    "--max_train_steps to train further, or start a new run in another --output_dir."
-                )
-        else:
-            finished = max(state["epoch"] - 1, last["epoch"] if last else 0)
-            if finished >= self.num_epochs:
-                raise UserError(
-                    f"The run in {self.output_dir} already finished {finished} epochs: pass a larger "
-                    "--num_epochs to train further, or start a new run in another --output_dir."
-                )
-        return path, state
+    def _nothing_to_resume(self):
+        if (self.output_dir / METRICS_FILE).exists():  # never train again over the epochs of a run that saved no checkpoint
+            which = "no intact checkpoint" if any(self.folder.glob("damaged_step_*")) else "no checkpoint"
+            raise UserError(f"{self.output_dir} holds a run but {which} to resume: choose another --output_dir, "
+                            "or pass --overwrite_output_dir instead of --resume_from_checkpoint.")
+
+    def _check_not_finished(self, state, max_train_steps):
+        records = (self.output_dir / METRICS_FILE).read_text().splitlines() if (self.output_dir / METRICS_FILE).exists() else []
+        last = json.loads(records[-1]) if records else {"step": 0, "epoch": 0}
+        if max_train_steps and max(state["global_step"], last["step"]) >= max_train_steps:
+            raise UserError(f"The run in {self.output_dir} already trained {max(state['global_step'], last['step'])} steps: pass a "
+                            "larger --max_train_steps to train further, or start a new run in another --output_dir.")
+        finished = max(state["epoch"] - 1, last["epoch"])
+        if not max_train_steps and finished >= self.num_epochs:
+            raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "
+                            "to train further, or start a new run in another --output_dir.")
 
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
@@ -195,118 +150,83 @@ class Checkpointer:
             raise UserError(
                 f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']}, which is not a whole "
                 f"number of this run's steps of {global_batch} samples: resume with {same_steps} (its steps of {saved}), "
-                "or from an epoch checkpoint."
-            )
+                "or from an epoch checkpoint.", every_process=True)
         return state["samples_done"] // global_batch
 
 
-def load_weights(spec, accelerator, model, output_dir):
-    """--eval_only: load the weights named by --resume_from_checkpoint into the prepared model; their path.
-
-    A checkpoint folder, a model.safetensors file, or `latest`: the newest weights of the run in
-    output_dir, its model.safetensors when the run finished after its last checkpoint. A file is
-    loaded through torch's distributed state-dict API, which fills a plain, a DDP or an FSDP2-sharded
-    model alike from the full weights."""
-    if not spec:
-        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
-    path = runtime.on_main_process(accelerator, lambda: _weights_to_evaluate(spec, output_dir, accelerator.print))
-    if path.is_file():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
-
-        try:
-            weights = load_file(path)
-            set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), weights,
-                                 options=StateDictOptions(full_state_dict=True))
-        except Exception as error:  # safetensors and load_state_dict raise many kinds
-            raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
-    else:
-        load_state(accelerator, path)
-    return path
-
-
-def _weights_to_evaluate(spec, output_dir, say):
-    if spec != "latest":
-        path = Path(spec)
-        if not path.is_file():
-            read_state(path)
-            if damage := damaged(path):
-                raise UserError(damage)
-        return path
-    candidates = [found for found in (intact_latest(Path(output_dir) / CHECKPOINT_FOLDER, say), Path(output_dir) / MODEL_FILE)
-                  if found is not None and found.exists()]
-    if not candidates:
-        raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir of a run, or a path.")
-    return max(candidates, key=lambda found: found.stat().st_mtime)
-
-
-def load_state(accelerator, path):
-    try:
-        accelerator.load_state(path)
-    except Exception as error:  # torch and safetensors raise many kinds on a damaged file
-        raise UserError(f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one.") from None
-
-
-def digests(folder):
-    """The SHA-256 of every file under folder, by its path relative to folder."""
-    found = {}
-    for path in sorted(Path(folder).rglob("*")):
-        if path.is_file():
-            sha = hashlib.sha256()
-            with path.open("rb") as file:
-                for block in iter(lambda: file.read(1 << 20), b""):
-                    sha.update(block)
-            found[path.relative_to(folder).as_posix()] = sha.hexdigest()
-    return found
-
-
-def damaged(path):
-    """A sentence naming the first file of checkpoint `path` that is missing or differs from what was
-    saved, or None when all are as saved (or the checkpoint predates the digests)."""
-    reason = _damage(path)
-    return reason and (f"Checkpoint {path} is damaged ({reason}): resume from an earlier checkpoint, "
-                       "or from 'latest', which skips damaged ones.")
-
-
-def _damage(path):
-    try:
-        saved = json.loads((path / STATE_FILE).read_text()).get("files")
-    except (OSError, ValueError) as error:
-        return f"its {STATE_FILE} cannot be read: {first_line(error)}"
-    now = digests(path) if saved is not None else {}
-    for name, digest in (saved or {}).items():
-        if now.get(name) != digest:
-            return f"{name} is missing" if name not in now else f"{name} differs from what was saved"
-    return None
-
-
-def complete_checkpoints(folder):
-    """Finished checkpoints, oldest first; half-written .tmp_ folders are never listed."""
-    found = [path for path in Path(folder).glob(f"{PREFIX}*") if (path / STATE_FILE).is_file()]
-    return sorted(found, key=lambda path: int(path.name[len(PREFIX):]))
-
-
-def latest_checkpoint(folder):
-    found = complete_checkpoints(folder)
-    return found[-1] if found else None
-
-
-def intact_latest(folder, say):
-    """The newest checkpoint whose files are as they were saved; each damaged one on the way is named
-    by say() (accelerator.print) and left where it is."""
-    for path in reversed(complete_checkpoints(folder)):
-        reason = _damage(path)
+def first_intact(accelerator, output_dir, spec):
+    """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
+    newest of output_dir's), after every process has checked the digests of the files it hashes in its
+    machine's copy. A damaged checkpoint named outright stops the run; `latest` names each damaged one,
+    sets it aside as damaged_step_N (never deleted) and tries the one before it. None: nothing to try."""
+    folder = Path(output_dir) / CHECKPOINT_FOLDER
+    names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
+                                          if spec == "latest" else [str(spec)] if read_state(Path(spec)) else [])
+    for name in names:
+        path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
+        reason = checkpoint_digests.damage(accelerator, path)
         if reason is None:
             return path
-        say(f"Skipping damaged checkpoint {path} ({reason}); trying the one before it.")
+        if spec != "latest":
+            raise UserError(f"Checkpoint {path} is damaged ({reason}): resume from an earlier checkpoint, "
+                            "or from 'latest', which skips damaged ones.", every_process=True)
+        accelerator.print(f"Skipping damaged checkpoint {path} ({reason}); trying the one before it.")
+        accelerator.wait_for_everyone()  # every process has read it
+        if writes_here(accelerator) and not path.with_name(f"damaged_{path.name}").exists():
+            path.rename(path.with_name(f"damaged_{path.name}"))
     return None
+
+
+def weights_to_evaluate(accelerator, spec, output_dir):
+    """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`, a
+    checkpoint folder, a model.safetensors file, or `latest`: the newest of the run's intact checkpoint
+    and its model.safetensors (written when the run finished after its last checkpoint)."""
+    if not spec:
+        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
+    if spec != "latest" and Path(spec).is_file():
+        return Path(spec)
+    checkpoint = first_intact(accelerator, output_dir, spec)
+    if spec != "latest":
+        return checkpoint
+    found = [path for path in (checkpoint, Path(output_dir) / MODEL_FILE) if path is not None and path.exists()]
+    if not found:
+        raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
+                        "of a run, or a path.", every_process=True)
+    return max(found, key=lambda path: path.stat().st_mtime)
+
+
+def load_model_file(accelerator, model, path):
+    """--eval_only: load a model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike
+    (torch's distributed state-dict API fills each process's shard from the full weights)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
+
+    try:
+        set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), load_file(path),
+                             options=StateDictOptions(full_state_dict=True))
+    except Exception as error:  # safetensors and load_state_dict raise many kinds
+        raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
+
+
+@contextlib.contextmanager
+def loading(path, accelerator, position=None):
+    """Around accelerator.load_state(path): a file that fails to load ends in one sentence; a resume
+    (`position`) that loads says where the run continues."""
+    try:
+        yield
+    except Exception as error:  # torch and safetensors raise many kinds on a damaged file
+        raise UserError(f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one.") from None
+    if position is not None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun under --max_restarts
+        accelerator.print((f"Restart {restart} after a lost process: r" if restart else "R") + f"esumed from {path}: epoch "
+                          f"{position.epoch}, {position.batches_done} batches in, step {position.global_step}.")
 
 
 def read_state(path):
+    """A checkpoint folder's trainer_state.json, or a sentence saying why `path` is none."""
     if path.is_file():
         raise UserError(
             f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
-            "or 'latest', or evaluate a model file with --eval_only."
-        )
+            "or 'latest', or evaluate a model file with --eval_only.")
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
     try:

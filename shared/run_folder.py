@@ -1,4 +1,5 @@
-"""The --output_dir of a run: checked before anything is written, held by one live run at a time."""
+"""The --output_dir of a run: the name of everything a run writes there, and the folder taken by one
+live run at a time, checked before anything is written."""
 
 import atexit
 import fcntl
@@ -7,40 +8,65 @@ import shutil
 import socket
 from pathlib import Path
 
-from accelerate.utils import gather_object
+from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 
-from shared import runtime
-from shared.runtime import UserError
+from shared import stop_together
+from shared.errors import UserError, remove_if_run_fails
 
-METRICS_FILE = "metrics.jsonl"
-MODEL_FILE = "model.safetensors"
-CHECKPOINT_FOLDER = "checkpoints"
+METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics_log.py)
+MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
+EVAL_FILE = "eval.json"  # --eval_only's result
+CHECKPOINT_FOLDER = "checkpoints"  # step_NNNNNNNN/ each, with STATE_FILE (shared/checkpoints.py)
+STATE_FILE = "trainer_state.json"
+PROFILE_FOLDER = "profile"  # --profile: trace_rank<N>.json each
+TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS = "tensorboard", "mlflow.db", "mlflow_artifacts"  # --with_tracking
 LOCK_FILE = ".lock"  # held by the live run's main process; the kernel lets go when that process ends, however it ends
 
 
-def prepare(accelerator, output_dir, *, overwrite, resuming):
-    """Make output_dir this run's and tell every process the outcome: stop with a sentence if it is a
-    file, if a live run holds it, or if it holds an earlier run that this one neither resumes
-    (`resuming`: --resume_from_checkpoint or --eval_only) nor replaces (`overwrite`:
-    --overwrite_output_dir, which deletes that run's files only once this run holds the folder).
+def checkpoint_folder(output_dir, step, kind=""):
+    """The checkpoint after optimizer `step`; kind ".tmp_" while it is written, "damaged_" when set aside."""
+    return Path(output_dir) / CHECKPOINT_FOLDER / f"{kind}step_{step:08d}"
 
-    The main process takes it first. Then the first process of every other machine looks for it:
-    where a machine does not see it (no disk shared with machine 0), that process takes the same
-    path on its own disk, and accelerate's save_on_each_node is turned on, so that every machine
-    writes its own complete copy of each checkpoint and of the model."""
+
+def checkpoints_in(folder):
+    """The complete checkpoints in a checkpoints folder, oldest first (a .tmp_ one being written is not)."""
+    found = [path for path in Path(folder).glob("step_*") if (path / STATE_FILE).is_file()]
+    return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
+
+
+def writes_here(accelerator):
+    """Whether this process writes the files that one process writes for the folder (a checkpoint's
+    state, the model): the main process, and with a disk per machine (accelerate's save_on_each_node,
+    set by the script from prepare's answer) each machine's first."""
+    return accelerator.is_main_process or (accelerator.is_local_main_process and accelerator.project_configuration.save_on_each_node)
+
+
+def prepare(accelerator, output_dir, *, overwrite, resuming):
+    """Every process must call this. Makes output_dir this run's, or stops every process with a
+    sentence: when it is a file, when a live run holds it, or when it holds an earlier run that this
+    one neither resumes (`resuming`: --resume_from_checkpoint or --eval_only) nor replaces
+    (`overwrite`: --overwrite_output_dir, which deletes that run's files once this run holds the folder).
+
+    The main process takes it first; then the first process of every other machine looks for its lock
+    file. A machine that does not see it (no disk shared with machine 0) takes the same path on its own
+    disk. Returns the folder and whether every machine shares it."""
     output_dir = Path(output_dir)
-    holder = runtime.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
+    holder = stop_together.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
     sees_main = not accelerator.is_local_main_process or _holder(output_dir) == holder
-    if not all(gather_object([sees_main])):
-        accelerator.project_configuration.save_on_each_node = True
-        error = None
-        if not sees_main:
-            try:
-                _take(output_dir, overwrite and not resuming, resuming)
-            except UserError as mistake:
-                error = f"On {socket.gethostname()}: {mistake}"
-        runtime.raise_if_any_failed(error)
-    return output_dir
+    if all(gather_object([sees_main])):
+        return output_dir, True
+    error = None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        # torch's sharded save writes each process's shard on its own machine and the index on machine 0 alone.
+        error = (f"--output_dir {output_dir} is not on a disk that every machine shares, which FSDP's sharded checkpoints "
+                 "need (each machine would hold only its own shards): put --output_dir on a shared file system.")
+    elif not sees_main:
+        try:
+            _take(output_dir, overwrite and not resuming, resuming)
+        except UserError as mistake:
+            error = f"On {socket.gethostname()}: {mistake}"
+    stop_together.if_any_failed(error)
+    return output_dir, False
 
 
 def _take(output_dir, replace, resuming):
@@ -48,14 +74,13 @@ def _take(output_dir, replace, resuming):
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
     if not output_dir.exists():
         output_dir.mkdir(parents=True)
-        runtime.remove_if_run_fails(output_dir)
+        remove_if_run_fails(output_dir)
     hold(output_dir)
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if earlier and not resuming and not replace:
-        resumable = any((output_dir / CHECKPOINT_FOLDER).glob("step_*/trainer_state.json"))
         raise UserError(
             f"--output_dir {output_dir} already holds a run ({', '.join(earlier)}): "
-            + ("continue it with --resume_from_checkpoint latest, " if resumable else "")
+            + ("continue it with --resume_from_checkpoint latest, " if checkpoints_in(output_dir / CHECKPOINT_FOLDER) else "")
             + "choose another --output_dir, or pass --overwrite_output_dir to replace it."
         )
     if replace:
@@ -101,8 +126,7 @@ def hold(output_dir):
     file.truncate()
     file.write(f"host {socket.gethostname()}, process {os.getpid()}\n")
     file.flush()
-    # The file goes with the run: when it fails (before the folder it may have made) or exits.
-    runtime.remove_if_run_fails(path)
+    remove_if_run_fails(path)  # the lock file goes with a failed run, before the folder it may have made
     atexit.register(_let_go, path, file)
 
 

@@ -1,9 +1,12 @@
-"""Experiment trackers (--with_tracking --report_to): what the Accelerator logs to, and where their stores go."""
+"""Experiment trackers (--with_tracking --report_to): what the Accelerator logs to, with their stores
+under --output_dir."""
 
 import os
 from pathlib import Path
 
 from accelerate.utils import ProjectConfiguration
+
+from shared.run_folder import MLFLOW_ARTIFACTS, MLFLOW_DB, TENSORBOARD_FOLDER
 
 
 def log_with(with_tracking, report_to):
@@ -14,19 +17,19 @@ def log_with(with_tracking, report_to):
 
 
 def project_config(output_dir, trackers):
-    """Tracker stores under output_dir: TensorBoard events in tensorboard/, MLflow runs in mlflow.db."""
+    """The Accelerator's project_config: TensorBoard's events and MLflow's runs under output_dir."""
     output_dir = Path(output_dir).resolve()
     if trackers and "mlflow" in trackers:
         # accelerate's MLflow tracker uses MLflow's default store (./mlruns of wherever the run
         # started) unless this is set; a user's own setting wins.
-        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / 'mlflow.db'}")
-    return ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "tensorboard"))
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
+    return ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / TENSORBOARD_FOLDER))
 
 
 def init_kwargs(output_dir):
-    """init_trackers' init_kwargs: MLflow keeps its artifacts under output_dir too (accelerate gives
-    its MLflow tracker no folder, and MLflow's default is ./mlruns of wherever the run started)."""
-    return {"mlflow": {"logging_dir": str(Path(output_dir).resolve() / "mlflow_artifacts")}}
+    """init_trackers' init_kwargs: MLflow's artifacts under output_dir too (accelerate gives its MLflow
+    tracker no folder, and MLflow's default is ./mlruns of wherever the run started)."""
+    return {"mlflow": {"logging_dir": str(Path(output_dir).resolve() / MLFLOW_ARTIFACTS)}}
 
 
 def hyperparameters(flags):

@@ -10,6 +10,7 @@ would run the same; test_forked_runs.py shows that it ends as one does. The smok
 interpreter, as users start them.
 """
 
+import hashlib
 import itertools
 import json
 import os
@@ -37,7 +38,8 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TESTS))
 
-from datagen import write_small_mnist  # noqa: E402
+from synthetic_digits import write_small_mnist  # noqa: E402
+from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
 
 TIMEOUT = 300
 # One fork server per import-time environment the tests' processes have: scripts/launch.py gives its
@@ -194,6 +196,26 @@ def data_flags(script, data_dir):
 
 def read_metrics(output_dir):
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def latest_checkpoint(folder):
+    """The newest complete checkpoint in a checkpoints folder, or None."""
+    found = checkpoints_in(folder)
+    return found[-1] if found else None
+
+
+def read_state(checkpoint):
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def checkpoint_damage(checkpoint):
+    """The first file of a checkpoint folder that is missing or differs from the SHA-256 its state
+    recorded, read here by one process; None when all are as saved."""
+    for name, digest in read_state(checkpoint)["files"].items():
+        path = checkpoint / name
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            return name
+    return None
 
 
 def write_digits(root, num_train, num_test):

@@ -16,6 +16,14 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks' own modules, for the tests that read them
 
 
+def test_the_baselines_build_the_optimizer_each_script_builds():
+    """The baselines train each script's model with the optimizer its main() builds, which they name."""
+    from baselines import OPTIMIZERS
+
+    for script, optimizer in OPTIMIZERS.items():
+        assert f"optimizer = torch.optim.{optimizer.__name__}(model.parameters(), lr=args.lr)" in (SCRIPTS / script).read_text()
+
+
 def test_throughput_benchmark_measures_every_variant(tmp_path):
     """At 2 processes (at 1 on 2 cores, the scripts' processes get 2 threads, which the tests' forks
     cannot give: new interpreters would double the test's time)."""
@@ -95,7 +103,7 @@ def test_startup_benchmark_times_every_command():
 
 def test_comm_hooks_benchmark_runs_each_hook(data_dir, tmp_path):
     """At 4 processes: PowerSGD beside the fixed gradient layout of 3+ processes ended every run in a
-    gloo size mismatch, so the layout stays off under it (shared/runtime.py)."""
+    gloo size mismatch, so the layout stays off under it (shared/ddp_options.py)."""
     result = run([sys.executable, BENCHMARKS / "comm_hooks.py", "--data_dir", data_dir, "--processes", "4", "--hooks", "no", "power_sgd",
                   "--rounds", "1", "--output", tmp_path / "hooks.json"], cwd=REPO)
     rows = json.loads((tmp_path / "hooks.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run
-from datagen import write_small_mnist
+from synthetic_digits import write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
 
@@ -26,7 +26,7 @@ def test_the_memory_pipeline_reads_the_files_bitwise_as_torchvision_does(name, d
     0.5 s of CPU); the images and labels are torchvision's, bit for bit, in dtype and shape too."""
     from torchvision import datasets
 
-    from shared.data import _read_raw
+    from shared.mnist_data import _read_raw
 
     for train in (True, False):
         ours = _read_raw(name, data_dir / name / "raw", train)
@@ -60,7 +60,7 @@ def probe_records(folder):
 
 
 def test_data_is_downloaded_once_by_the_main_process_before_the_others_read_it(tmp_path):
-    """cpu.yaml as is (4 processes) through shared.data's download order: only rank 0 downloads, and
+    """cpu.yaml as is (4 processes) in the scripts' download order: only rank 0 downloads, and
     every other rank starts reading after its download ended."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "cpu.yaml", PROBES / "download_probe.py", tmp_path], cwd=tmp_path)
     records = probe_records(tmp_path)

@@ -17,12 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, new_interpreter_env, python_command, read_metrics, run, script_env, two_machines
+from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, python_command, read_metrics, read_state, run, script_env, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
-from shared.checkpoints import complete_checkpoints, damaged, latest_checkpoint, read_state
-from shared.runtime import LOST_PEER_EXIT_CODE
+from shared.errors import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -162,14 +161,14 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
         output_dir = disk / "run"
         failed = run(training_command(num_processes, "--output_dir", output_dir, "--data_dir", small_data, *FLAGS), cwd=tmp_path, check=False)
         assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-        saved = complete_checkpoints(output_dir / "checkpoints")
+        saved = checkpoints_in(output_dir / "checkpoints")
         assert [path.name for path in saved] == ["step_00000050", "step_00000100"]
         assert [line for line in failed.stderr.splitlines() if line.startswith("error:")] == [
             f"error: Could not write {output_dir / 'checkpoints' / 'step_00000150'} (" + failed.stderr.split("step_00000150 (")[1].split("): ")[0]
             + f"): free space or fix the folder, then resume with --resume_from_checkpoint latest, which is {saved[-1]} and complete."]
         assert "no space left on" in failed.stderr.lower(), failed.stderr[-600:]
         assert not list((output_dir / "checkpoints").glob(".tmp_*")), "the failed save's partial folder is gone"
-        assert all(damaged(path) is None for path in saved)
+        assert all(checkpoint_damage(path) is None for path in saved)
         moved = tmp_path / "moved"
         shutil.copytree(output_dir, moved)
     finally:
@@ -186,7 +185,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     reference = reference(num_processes)
     run_dir = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
-    newest, before = complete_checkpoints(run_dir / "checkpoints")[-1], complete_checkpoints(run_dir / "checkpoints")[-2]
+    newest, before = checkpoints_in(run_dir / "checkpoints")[-1], checkpoints_in(run_dir / "checkpoints")[-2]
     weights_file = newest / "model.safetensors"
     data = bytearray(weights_file.read_bytes())
     data[-100:-90] = bytes(10)
@@ -204,7 +203,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     assert f"Skipping damaged checkpoint {newest} (model.safetensors differs from what was saved); trying the one before it." in result.stdout
     assert f"Resumed from {before}:" in result.stdout
     kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
-    assert damaged(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not damaged(newest)
+    assert checkpoint_damage(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not checkpoint_damage(newest)
     assert_ends_like(reference, run_dir)
 
 

@@ -113,10 +113,12 @@ def test_the_in_memory_loader_moves_batches_that_stayed_on_the_cpu_to_the_gpu():
     """The data set stays on the CPU when the GPU has too little free memory; batches must still reach the GPU."""
     from types import SimpleNamespace
 
-    from shared.data import InMemoryLoader
+    from torch.utils.data import TensorDataset
+
+    from shared.in_memory_loader import InMemoryLoader
 
     accelerator = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cuda", 0))
-    loader = InMemoryLoader(torch.randn(10, 1, 28, 28), torch.arange(10), 4, accelerator, seed=0)
+    loader = InMemoryLoader(TensorDataset(torch.randn(10, 1, 28, 28), torch.arange(10)), 4, accelerator, seed=0, home=torch.device("cpu"))
     for inputs, labels in loader:
         assert inputs.device.type == labels.device.type == "cuda"
 

@@ -7,10 +7,11 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torch.utils.data import TensorDataset
 
 from conftest import CONFIGS, SCRIPTS, run
 
-from shared.data import InMemoryLoader
+from shared.in_memory_loader import InMemoryLoader
 
 PROBES = SCRIPTS.parent / "tests" / "probes"
 
@@ -34,10 +35,10 @@ def test_fsdp2_with_bf16_batchnorm_loss_eval_only_and_buffers_on_two_cpu_process
 
 
 def test_the_in_memory_loader_moves_each_batch_to_the_accelerators_device():
-    """A data set too large for the GPU's free memory stays on the CPU (data._tensor_home); each batch
+    """A data set too large for the GPU's free memory stays on the CPU (InMemoryLoader's home); each batch
     must still reach the device the model is on. The meta device stands in for the GPU here."""
     accelerator = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("meta"))
-    loader = InMemoryLoader(torch.randn(10, 1, 28, 28), torch.arange(10), 4, accelerator, seed=0)
+    loader = InMemoryLoader(TensorDataset(torch.randn(10, 1, 28, 28), torch.arange(10)), 4, accelerator, seed=0, home=torch.device("cpu"))
     batches = list(loader)
     assert [len(labels) for _, labels in batches] == [4, 4, 2]
     assert {tensor.device.type for batch in batches for tensor in batch} == {"meta"}

@@ -48,14 +48,15 @@ def test_profile_loads_and_says_what_its_name_claims(name):
 def test_every_script_with_its_defaults_splits_its_batch_under_every_profile():
     """Each profile's process count (1, 2, 4, 8) divides each script's default --batch_size, so the same
     defaults train the same model under every profile."""
-    from shared.cli import batch_size_per_process
+    from shared.flags import batch_size_per_process
 
     counts = {load_config_from_file(str(CONFIGS / name)).num_processes for name in PROFILES}
     assert counts == {1, 2, 4, 8}
     for script in ("seq_net.py", "mnist_conv.py", "cpu_gloo.py", "toy_mlp.py"):
         defaults = load_script_module(SCRIPTS / script).parse_args([])
         for count in counts:
-            assert batch_size_per_process(defaults.batch_size, count, split=defaults.split_batches) * count == defaults.batch_size
+            split = getattr(defaults, "split_batches", True)  # toy_mlp.py always splits
+            assert batch_size_per_process(defaults.batch_size, count, split=split) * count == defaults.batch_size
 
 
 def test_toy_mlp_with_its_defaults_trains_as_eight_processes(tmp_path):
@@ -115,9 +116,10 @@ def test_both_pipelines_shard_identically_with_a_ragged_end(tmp_path):
 
 
 def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(tmp_path):
+    """Under plain accelerate launch, the complete scripts' devices.cpu_only() catches it in every process."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2gpu.yaml",
-        "--main_process_port", "0", REPO / "scripts" / "toy_mlp.py", "--output_dir", tmp_path / "run",
+        "--main_process_port", "0", REPO / "scripts" / "seq_net.py", "--output_dir", tmp_path / "run",
     ]
     result = run(command, cwd=tmp_path, check=False)
     assert result.returncode != 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS, SCRIPTS, python_command, run, script_env
-from datagen import write_small_mnist
+from synthetic_digits import write_small_mnist
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
 pytestmark = pytest.mark.xdist_group("mistakes")

@@ -3,13 +3,20 @@ Each check fails if its flag silently did nothing; a flag that only observes lea
 as they were."""
 
 import json
+import sys
 
 import pytest
 
-from conftest import python_command, read_metrics, run
+from conftest import TOOLS, python_command, read_metrics, run
 from test_features import assert_same_records, assert_same_weights, resume_from, train, weights
 
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
+
+
+def step_time_table(profile_folder, cwd):
+    """tools/step_time.py's table of a run's traces, and the rows it saved."""
+    result = run([sys.executable, TOOLS / "step_time.py", profile_folder], cwd=cwd)
+    return result.stdout, json.loads((profile_folder / "step_time.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +33,13 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
     for rank in (0, 1):
         names = {event["name"] for event in json.loads((profiled / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]}
         assert {"DistributedDataParallel.forward", "gloo:all_reduce", "Optimizer.step#SGD.step"} <= names
-    rows = json.loads((profiled / "profile" / "step_time.json").read_text())
+    assert f"--profile wrote a trace per process to {profiled / 'profile'}: `python tools/step_time.py" in result.stdout
+    printed, rows = step_time_table(profiled / "profile", tmp_path)
     assert [row["process"] for row in rows] == [0, 1]
     for row in rows:
-        assert row["steps"] >= 5 and row["step"] > 0 and row["backward"] > 0 and row["all-reduce wait"] > 0
+        assert row["steps"] == 5 and row["timeline"] == "host" and row["step"] > 0 and row["backward"] > 0 and row["all-reduce wait"] > 0
         assert sum(row[phase] for phase in PHASES) == pytest.approx(row["step"], rel=0.05)
-    assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in result.stdout
+    assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in printed
 
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
@@ -41,28 +49,28 @@ def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
     profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", num_processes=4, data_dir=data_dir)
     assert_same_weights(weights(plain), weights(profiled))
     assert sorted(path.name for path in (profiled / "profile").glob("trace_rank*.json")) == [f"trace_rank{rank}.json" for rank in range(4)]
-    rows = json.loads((profiled / "profile" / "step_time.json").read_text())
+    printed, rows = step_time_table(profiled / "profile", tmp_path)
     assert [row["process"] for row in rows] == [0, 1, 2, 3]
     assert all(row["steps"] == 5 and row["all-reduce wait"] > 0 for row in rows), rows
-    printed = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert printed == ["| 0", "| 1", "| 2", "| 3"], result.stdout
+    rows_printed = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows_printed == ["| 0", "| 1", "| 2", "| 3"], printed
 
 
 def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_path):
     profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", data_dir=data_dir)
-    (row,) = json.loads((profiled / "profile" / "step_time.json").read_text())
+    _, (row,) = step_time_table(profiled / "profile", tmp_path)
     assert row["process"] == 0 and row["forward"] > 0 and row["all-reduce wait"] == 0
-    short, result = train("toy_mlp.py", tmp_path, "short", "--profile")
+    short, result = train("cpu_gloo.py", tmp_path, "short", "--max_train_steps", "3", "--profile", data_dir=data_dir)
     assert "--profile recorded nothing: the run took 3 steps, and the profiler skips 5" in result.stderr
     assert not (short / "profile").exists()
 
 
-def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, tmp_path):
+def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for record in read_metrics(two_process_run):
         assert record["device"].split(":")[0] == "cpu" and 100 < record["peak_memory_mb"] < 20_000  # the process's resident set, in MiB
-    tracked, _ = train("toy_mlp.py", tmp_path, "tracked", "--with_tracking")
+    tracked, _ = train("cpu_gloo.py", tmp_path, "tracked", "--max_train_steps", "40", "--with_tracking", data_dir=data_dir)
     events = EventAccumulator(str(next((tracked / "tensorboard").iterdir()))).Reload()
     assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
 
@@ -105,11 +113,11 @@ def test_early_stopping_patience_and_a_resumed_run_remember_the_epochs_without_i
 
 
 def test_batched_power_sgd_where_torch_breaks_it_is_answered_in_one_sentence(tmp_path):
-    from shared.runtime import _batched_power_sgd_works
+    from shared.ddp_options import batched_power_sgd_works
 
-    if _batched_power_sgd_works():
+    if batched_power_sgd_works():
         pytest.skip("this torch's batched PowerSGD hook works")
-    result = run(python_command("toy_mlp.py", "--output_dir", tmp_path / "run", "--ddp_comm_hook", "batched_power_sgd"), cwd=tmp_path, check=False)
+    result = run(python_command("cpu_gloo.py", "--output_dir", tmp_path / "run", "--ddp_comm_hook", "batched_power_sgd"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error: --ddp_comm_hook batched_power_sgd fails in torch" in result.stderr and result.stderr.strip().endswith("use --ddp_comm_hook power_sgd.")
     assert not (tmp_path / "run").exists()

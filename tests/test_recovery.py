@@ -16,8 +16,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, free_port, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
-from shared.checkpoints import complete_checkpoints, latest_checkpoint
+from conftest import CONFIGS, SCRIPTS, checkpoints_in, free_port, latest_checkpoint, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from test_features import assert_same_records, assert_same_weights, weights
 
 PROBES = SCRIPTS.parent / "tests" / "probes"
@@ -152,7 +151,7 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_
     assert all("was killed by signal 9; it resumes from its newest checkpoint." in line for line in restarts), stderr[-5000:]
     assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
-    assert len(complete_checkpoints(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
+    assert len(checkpoints_in(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
     assert_world_size(reference)
     assert_world_size(restarted)
     assert_same_weights(weights(reference), weights(restarted))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.data import RAW_FILES  # the scripts' shared/ names the files
+from shared.mnist_data import RAW_FILES  # the scripts' shared/ names the files
 
 
 def write_idx(path, array):

@@ -13,21 +13,23 @@ import json
 import sys
 from pathlib import Path
 
+from step_time import backward_span, host_steps
+
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
 
 def last_step(trace):
     """(start, duration) of the trace's last ProfilerStep and the spans to draw in it, in ms from its start."""
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
-    step = max((event for event in events if event["name"].startswith("ProfilerStep#")), key=lambda event: event["ts"])
+    step = max(host_steps(events), key=lambda event: event["ts"])
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [event for event in events if start <= event["ts"] < end]
 
     def spans(test):
         return [((event["ts"] - start) / 1000, event["dur"] / 1000) for event in inside if test(event["name"])]
 
-    autograd = spans(lambda name: name.startswith("autograd::engine::evaluate_function"))
-    backward = [(min(s for s, _ in autograd), max(s + d for s, d in autograd) - min(s for s, _ in autograd))] if autograd else []
+    autograd = backward_span(inside)
+    backward = [((autograd[0] - start) / 1000, (autograd[1] - autograd[0]) / 1000)] if autograd else []
     forward = spans(lambda name: name == "DistributedDataParallel.forward") or spans(lambda name: name == "forward")
     return step["dur"] / 1000, {
         "forward": forward,

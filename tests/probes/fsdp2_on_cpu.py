@@ -2,11 +2,12 @@
 the policy fsdp.yaml gives: bf16) applied to mnist_conv's Net over gloo, which accelerate itself only
 does on GPUs. Records, per rank, what the GPU paths of the scripts meet (JSON in argv[1]):
 - the defect: BatchNorm's bf16 weights against its fp32 running statistics;
-- the fix: runtime.keep_batchnorm_in_float32_under_fsdp's shards (here through the function it calls);
+- the fix: mnist_conv.keep_batchnorm_in_float32_under_fsdp's shards;
 - the fp32 loss of the scripts' loss line, and the dtype the model hands back;
 - --eval_only's load of a full model.safetensors into DTensor parameters, plainly and through torch's
   distributed state-dict API;
-- BatchNorm's running statistics per rank, before and after metrics.take_buffers_from_the_main_process."""
+- BatchNorm's running statistics per rank, before and after the scripts' evaluate(), which takes the
+  main process's."""
 
 import json
 import sys
@@ -19,8 +20,6 @@ from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-from shared import metrics, runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the script's model class
 import mnist_conv  # noqa: E402
@@ -51,7 +50,7 @@ def main():
         record["as_accelerate_wraps_it"] = str(error).splitlines()[0]
 
     model = mnist_conv.Net()
-    runtime.shard_batchnorm_in_float32(model, torch.bfloat16)
+    mnist_conv.keep_batchnorm_in_float32_under_fsdp(SimpleNamespace(is_fsdp2=True, mixed_precision="bf16"), model)
     model = wrap(model, accelerator)
     computed_in = {}  # the dtype of each layer's weight while it computes (FSDP unshards and casts it then)
     for name in ("conv1", "n1"):
@@ -62,7 +61,7 @@ def main():
     record.update(output_dtype=str(output.dtype), loss_dtype=str(loss.dtype),
                   batchnorm_weight_dtype=computed_in["n1"], conv_weight_dtype=computed_in["conv1"])
     record["running_mean_differs"] = _differs_across_ranks(model.n1.running_mean)
-    metrics.take_buffers_from_the_main_process(model, accelerator)
+    mnist_conv.evaluate(model, [(images, labels)], accelerator)
     record["running_mean_differs_after"] = _differs_across_ranks(model.n1.running_mean)
 
     try:

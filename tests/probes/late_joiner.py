@@ -4,15 +4,16 @@ or finishing a step would), while rank 0 stops at once."""
 
 from accelerate import Accelerator
 
-from shared import runtime
+from shared.devices import cpu_only
+from shared.errors import UserError, run_main
 
 
 def main():
-    accelerator = Accelerator(cpu=runtime.cpu_only())
+    accelerator = Accelerator(cpu=cpu_only())
     if accelerator.process_index == accelerator.num_processes - 1:
         accelerator.wait_for_everyone()
-    raise runtime.UserError(f"a mistake found by all {accelerator.num_processes} processes: fix it.")
+    raise UserError(f"a mistake found by all {accelerator.num_processes} processes: fix it.")
 
 
 if __name__ == "__main__":
-    runtime.run_main(main)
+    run_main(main)

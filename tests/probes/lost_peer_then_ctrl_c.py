@@ -4,7 +4,7 @@ leaving, as happens when the launcher passes Ctrl-C to this process after anothe
 
 import torch.distributed as dist
 
-from shared import runtime
+from shared.errors import run_main
 
 
 def main():
@@ -14,4 +14,4 @@ def main():
 
 
 if __name__ == "__main__":
-    runtime.run_main(main)
+    run_main(main)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
-from shared import data, runtime
+from shared.devices import cpu_only
+from shared.in_memory_loader import InMemoryLoader
 
 
 def draws(loader, labels_of):
@@ -25,11 +26,11 @@ def draws(loader, labels_of):
 def main():
     output_dir, num_samples, batch_size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     accelerator = Accelerator(
-        cpu=runtime.cpu_only(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0)
+        cpu=cpu_only(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0)
     )
     samples = torch.arange(num_samples)
     epochs = {  # the in-memory loader's labels are the sample indices
-        "memory": draws(accelerator.prepare(data.InMemoryLoader(samples, samples, batch_size, accelerator, seed=0)), lambda batch: batch[1]),
+        "memory": draws(accelerator.prepare(InMemoryLoader(TensorDataset(samples, samples), batch_size, accelerator, seed=0)), lambda batch: batch[1]),
         "torchvision": draws(accelerator.prepare(DataLoader(samples, batch_size=batch_size, shuffle=True)), lambda batch: batch),
     }
     report = {

@@ -8,13 +8,15 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from shared import runtime
+from shared.devices import cpu_only
+from shared.errors import run_main
+from shared.preemption import Preemption
 
 
 def main():
-    accelerator = Accelerator(cpu=runtime.cpu_only())
-    runtime.Preemption.GRACE_S = 3  # the tests' wait; training runs keep the default
-    runtime.Preemption(accelerator, enabled=True)
+    accelerator = Accelerator(cpu=cpu_only())
+    Preemption.GRACE_S = 3  # the tests' wait; training runs keep the default
+    Preemption(accelerator, enabled=True)
     (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
     if accelerator.is_main_process:
         time.sleep(600)  # Python code: its signal handler runs, and sleep goes on after it (PEP 475)
@@ -23,4 +25,4 @@ def main():
 
 
 if __name__ == "__main__":
-    runtime.run_main(main)
+    run_main(main)

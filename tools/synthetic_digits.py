@@ -1,7 +1,16 @@
-"""Small learnable data sets in torchvision's MNIST layout, so tests run the real loading code offline."""
+"""Small learnable stand-ins for MNIST and FashionMNIST in torchvision's layout, made here with no
+network: each 28x28 image's class is a bright 7x7 block at one of ten fixed places, over noise.
+
+    python tools/synthetic_digits.py --data_dir data_synthetic
+    python scripts/mnist_conv.py --data_dir data_synthetic --num_epochs 1
+
+For a smoke run of a copied template, the tests and the benchmarks' own small runs; not for measuring
+learning (tools/offline_mnist.py writes 5,000 real digits for that).
+"""
+
+import argparse
 
 import numpy as np
-
 from mnist_files import write_mnist_layout
 
 
@@ -33,3 +42,18 @@ def write_hub_dataset(folder, num_train=400, num_test=100, seed=0):
         rows = datasets.Dataset.from_dict({"image": list(images), "label": labels.tolist()}, features=features)
         rows.to_parquet(f"{folder}/data/{split}-00000-of-00001.parquet")
     return folder
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="data_synthetic", help="folder to pass as --data_dir to the scripts")
+    parser.add_argument("--num_train", type=int, default=2000)
+    parser.add_argument("--num_test", type=int, default=200)
+    args = parser.parse_args()
+    for name in ("MNIST", "FashionMNIST"):
+        folder = write_small_mnist(args.data_dir, name, args.num_train, args.num_test)
+        print(f"wrote {args.num_train} training and {args.num_test} test synthetic digits to {folder}")
+
+
+if __name__ == "__main__":
+    main()

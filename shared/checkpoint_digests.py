@@ -1,0 +1,68 @@
+"""The SHA-256 of every file of a checkpoint, each file hashed by the process that wrote it.
+
+accelerator.save_state writes the model, optimizer and scheduler from the main process (with one
+disk per machine, from each machine's first), each process's RNG state as random_states_<rank>.pkl,
+and under FSDP each process's shard as __<rank>_0.distcp. Each process hashes what it wrote and the
+digests are gathered, so no process reads every rank's shards of a large model while the others
+wait, and the files are read on the machine that holds them, while they are still in its page cache.
+"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from accelerate.utils import gather_object
+
+from shared.run_folder import STATE_FILE, writes_here
+
+WRITTEN_BY_RANK = re.compile(r"random_states_(\d+)\.pkl|__(\d+)_\d+\.distcp")
+
+
+def record(accelerator, folder):
+    """Every process must call this: the digests of the files of this machine's copy of `folder`, by
+    their path relative to it, for the process that writes its state file."""
+    mine = {name: _sha256(folder / name) for name in _files(folder) if _hashed_here(accelerator, name)}
+    machine = accelerator.process_index - accelerator.local_process_index  # its first process's rank
+    return {name: digest for where, theirs in gather_object([(machine, mine)]) if where == machine for name, digest in theirs.items()}
+
+
+def damage(accelerator, folder):
+    """Every process must call this: what differs in `folder` (this machine's copy) from the digests its
+    state file recorded, the same sentence part on every process (the first file found), or None."""
+    try:
+        recorded = json.loads((folder / STATE_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        found = f"its {STATE_FILE} cannot be read: {error}"
+    else:
+        found = None
+        for name, digest in recorded.items():
+            if _hashed_here(accelerator, name):
+                if not (folder / name).is_file():
+                    found = found or f"{name} is missing"
+                elif _sha256(folder / name) != digest:
+                    found = found or f"{name} differs from what was saved"
+    return next((reason for reason in gather_object([found]) if reason), None)
+
+
+def _hashed_here(accelerator, name):
+    """Whether this process hashes file `name`: the rank that wrote it, or the process that wrote the
+    rest (the main process, or with one disk per machine, each machine's first); a file of a rank this
+    run does not have (resumed with fewer processes) is the main process's."""
+    written_by = WRITTEN_BY_RANK.fullmatch(Path(name).name)
+    rank = int(next(group for group in written_by.groups() if group)) if written_by else None
+    if rank is not None and rank < accelerator.num_processes:
+        return rank == accelerator.process_index
+    return writes_here(accelerator)
+
+
+def _files(folder):
+    return sorted(path.relative_to(folder).as_posix() for path in Path(folder).rglob("*") if path.is_file())
+
+
+def _sha256(path):
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()

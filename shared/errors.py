@@ -1,0 +1,153 @@
+"""How a training process ends when something goes wrong: one sentence and an exit code, never a
+traceback per process, a hang, or a half-made folder left behind."""
+
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
+LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
+# How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+                   "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message says how, and is printed without a traceback.
+    every_process: every process raised it with the same sentence (through a collective), so each
+    machine's first process says it for that machine."""
+
+    def __init__(self, sentence, every_process=False):
+        super().__init__(sentence)
+        self.every_process = every_process
+
+
+class Stopped(Exception):
+    """The run saved a checkpoint and stops on purpose (a signal to stop); the message says where."""
+
+
+def first_line(error):
+    """The first line of an exception's message, for a one-sentence error."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def run_main(main):
+    """Run a script's main(): a UserError ends the process with its sentence and exit code 1, Stopped
+    with exit code 143, a lost peer with 75 and Ctrl-C with 130, each in one line; a failed run removes
+    what it had made (remove_if_run_fails). SHOW_TRACEBACK=1 adds the traceback, for bug reports.
+
+    After main() the garbage left in cycles is collected while the interpreter is whole: a gloo group
+    destroyed during interpreter shutdown lets its threads reach for a Python that is gone, which
+    aborts the process after the run had saved everything (the scripts' free_memory() is for that too)."""
+    rank = int(os.environ.get("RANK", "0"))
+    warn_if_launched_alone()
+    try:
+        try:
+            main()
+            gc.collect()
+        except UserError as error:
+            remove_what_the_failed_run_made()
+            print_traceback_if_asked()
+            # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
+            if rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            leave_process_group_together()
+            if rank and not error.every_process:
+                # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank
+                # that fails alone still speaks.
+                time.sleep(3)
+                print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        except Stopped as stopped:
+            if rank == 0:
+                print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
+            leave_process_group_together()
+            sys.exit(STOPPED_EXIT_CODE)
+        except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
+            if not (torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
+                raise
+            # Another process of the run, or the network to it, is gone: the launcher names it and restarts
+            # the run if asked to. This survivor leaves with a code of its own that tells the launcher it is
+            # not the cause, a moment later, so that torchrun (which goes by whole seconds) sees the lost one first.
+            print_traceback_if_asked()
+            if "imed out" in str(error):
+                print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
+                      file=sys.stderr, flush=True)
+            time.sleep(2)
+            exit_now(LOST_PEER_EXIT_CODE)
+    except KeyboardInterrupt:
+        # The launcher passes Ctrl-C to the processes one after another, so it can reach this one in
+        # training or while it handles another's loss: one line for the run, not a traceback each.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
+        remove_what_the_failed_run_made()
+        if rank == 0:
+            print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
+        exit_now(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
+
+
+def print_traceback_if_asked():
+    if os.environ.get("SHOW_TRACEBACK") == "1":
+        traceback.print_exc()
+
+
+def exit_now(code):
+    """Exit without tearing down the process group, which could wait on processes that are gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def warn_if_launched_alone():
+    """accelerate launch was asked for several processes (it sets MASTER_ADDR) but started only this
+    one, as its plain launcher does with a MULTI_CPU profile or without one on a machine without GPUs.
+    Nothing else would show it but world_size 1 in the epoch lines."""
+    in_a_group = any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ and not in_a_group:
+        print("warning: accelerate launch was asked for several processes but started this one alone, which trains "
+              "by itself: launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu.", file=sys.stderr, flush=True)
+
+
+_MADE_BY_THIS_RUN = []
+
+
+def remove_if_run_fails(path):
+    """A folder or file this run has just made: a run that fails removes it again (a folder only if
+    nothing else was written to it)."""
+    _MADE_BY_THIS_RUN.append(Path(path))
+
+
+def remove_what_the_failed_run_made():
+    for path in reversed(_MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
+        try:
+            path.rmdir() if path.is_dir() else path.unlink()  # rmdir only succeeds when empty
+        except OSError:
+            pass
+
+
+def leave_process_group_together(timeout_s=10):
+    """Wait until every process has come this far, then leave the process group. Rank 0 hosts the
+    rendezvous, so its exit while another rank is still joining crashes that rank with a gloo
+    traceback, and a group left up sometimes aborts in its C++ teardown (signal 6). A rank that stops
+    alone waits timeout_s at most: its barrier runs in a thread that may never return."""
+    if not torch.distributed.is_initialized():
+        return
+    barrier = threading.Thread(target=_barrier_quietly, daemon=True)
+    barrier.start()
+    barrier.join(timeout_s)
+    if not barrier.is_alive():
+        torch.distributed.destroy_process_group()
+
+
+def _barrier_quietly():
+    try:
+        torch.distributed.barrier()
+    except Exception:  # noqa: BLE001  a peer already left: nothing more to wait for
+        pass

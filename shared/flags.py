@@ -1,0 +1,132 @@
+"""The command-line flags every complete script shares, named as accelerate's own examples name them,
+and their one-sentence checks. Each script declares the flags that make it what it is (epochs, batch
+size, learning rate, schedule) itself."""
+
+import argparse
+import os
+
+from shared.errors import UserError
+
+BATCH_SIZE_HELP = ("training samples per optimizer step, split evenly across the processes, so that any number of "
+                   "processes takes the same steps on the same samples and trains the same model (with --no_split_batches: per process)")
+KEEP_UNDER_RESTARTS = 2  # the newest to resume from, and one before it in case the newest is damaged
+
+
+def _number(kind, what, accepts, rule):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    return parse
+
+
+positive_int = _number(int, "a whole number", lambda value: value >= 1, "at least 1")
+non_negative_int = _number(int, "a whole number", lambda value: value >= 0, "0 or more")
+positive_float = _number(float, "a number", lambda value: value > 0, "greater than 0")
+accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy above 0 and at most 1")
+
+
+def checkpointing_steps(text):
+    """'epoch', or a whole number of optimizer steps."""
+    return text if text == "epoch" else positive_int(text)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag, or a flag that would do nothing, in one line that says what to do."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see {self.prog} --help for what it takes.")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for flag, needs in (("report_to", "with_tracking"), ("keep_last_checkpoints", "checkpointing_steps")):
+            if getattr(namespace, flag, None) != self.get_default(flag) and not getattr(namespace, needs, None):
+                self.error(f"argument --{flag} does nothing without --{needs}")
+        return namespace, extras
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's example lines as written, and shows every default."""
+
+
+def training_parser(description, *, output_dir):
+    """A parser with the flags every complete script shares; the script adds its own."""
+    parser = OneLineParser(description=description, formatter_class=HelpFormatter)
+    add = parser.add_argument
+    add("--output_dir", default=output_dir, help="where metrics.jsonl, model.safetensors and checkpoints go")
+    add("--seed", type=non_negative_int, default=42, help="seed for weights, shuffling and every random generator")
+    add("--max_train_steps", type=positive_int, default=None,
+        help="stop after this many optimizer steps, mid-epoch too, then evaluate and save the model (overrides --num_epochs)")
+    add("--no_split_batches", dest="split_batches", action="store_false",
+        help="give every process a batch of --batch_size, as the tutorials do: N processes then step on N x "
+        "--batch_size samples and take N times fewer steps per epoch")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="autocast precision; default: the launch profile's, else no")
+    add("--gradient_accumulation_steps", type=positive_int, default=1, help="batches whose gradients are summed before each optimizer step")
+    add("--overwrite_output_dir", action="store_true", help="start a new run in an output_dir that already holds one (its files are replaced)")
+    add("--checkpointing_steps", type=checkpointing_steps, default=None,
+        help="save the full training state every N optimizer steps, or after every 'epoch'; a signal to stop then saves one too")
+    add("--resume_from_checkpoint", default=None, metavar="PATH|latest",
+        help="continue from a checkpoint folder, or the newest under <output_dir>/checkpoints")
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0  # a launcher that restarts would otherwise pile them up
+    add("--keep_last_checkpoints", type=positive_int, default=KEEP_UNDER_RESTARTS if restarts else None,
+        help=f"delete all but the newest K checkpoints (under --max_restarts the default is {KEEP_UNDER_RESTARTS})")
+    add("--eval_only", action="store_true", help="only evaluate the weights of --resume_from_checkpoint (a checkpoint folder or a model.safetensors)")
+    add("--ddp_timeout", type=positive_int, default=1800,
+        help="seconds a process waits for the others at a collective before it fails: how soon a run stops "
+        "when another machine or the network to it is lost (the main process's download is waited for too)")
+    add("--early_stopping_patience", type=positive_int, default=None,
+        help="stop when eval loss has not improved for this many epochs (a resumed run remembers its count)")
+    add("--early_stopping_target", type=accuracy, default=None, metavar="ACC",
+        help="stop after the first epoch whose eval accuracy reaches ACC (between 0 and 1), as time-to-accuracy benchmarks do")
+    add("--ddp_comm_hook", choices=["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"], default="no",
+        help="compress DDP's gradient all-reduce: fp16/bf16 halve its bytes, PowerSGD sends a low-rank approximation "
+        "(see benchmarks/README.md for what each buys and costs)")
+    add("--ddp_bucket_cap_mb", type=positive_float, default=None,
+        help="DDP's gradient bucket size in MB (torch's default: 25): smaller buckets start their all-reduce earlier in backward")
+    add("--profile", action="store_true",
+        help="record a window of training steps with torch.profiler: a trace per process under <output_dir>/profile/")
+    add("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
+    add("--report_to", choices=["tensorboard", "mlflow", "all"], default=None,
+        help="tracker for --with_tracking, stored under --output_dir (default: tensorboard)")
+    return parser
+
+
+def add_mnist_flags(parser, hub_name):
+    """The flags of the scripts that read an MNIST-family data set."""
+    add = parser.add_argument
+    add("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
+    add("--num_workers", type=non_negative_int, default=0, help="DataLoader worker processes per training process")
+    add("--dataset_source", choices=["torchvision", "hub"], default="torchvision",
+        help="torchvision's download, or the Hugging Face Hub through the datasets library")
+    add("--dataset_name", default=hub_name, help="with --dataset_source hub: a Hub data set, or a local folder of one")
+    add("--data_pipeline", choices=["memory", "torchvision"], default="memory",
+        help="memory: decode once, slice batches from tensors on the device; torchvision: the tutorials' "
+        "per-sample DataLoader, for data that does not fit in memory")
+
+
+def batch_size_per_process(batch_size, num_processes, split):
+    """Each process's training batch: --batch_size split evenly across the processes, or all of it when
+    not `split` (--no_split_batches). (accelerate's own DataLoaderConfiguration(split_batches=True) splits
+    every prepared loader, the evaluation batch of 1,000 too, which 3 processes cannot split, and does not
+    reach the in-memory loader.)"""
+    if not split:
+        return batch_size
+    if batch_size % num_processes:
+        raise UserError(
+            f"--batch_size {batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
+            f"{num_processes}, or --no_split_batches to give every process a batch of {batch_size}.")
+    return batch_size // num_processes
+
+
+def check_accumulation(accumulation_steps, batches_per_epoch):
+    """Stop when one accumulation window would be longer than an epoch: accelerate ends the window at
+    the epoch's end and divides by the whole window, so every epoch would take one small step."""
+    if accumulation_steps > batches_per_epoch:
+        raise UserError(
+            f"--gradient_accumulation_steps {accumulation_steps} is more than the {batches_per_epoch} batches "
+            f"each process trains in an epoch, so every epoch would take one small optimizer step: pass at most "
+            f"{batches_per_epoch}, or a smaller --batch_size.")

@@ -1,0 +1,69 @@
+"""metrics.jsonl, the record of every epoch, written by the main process; and the lines a run prints
+of its numbers."""
+
+import json
+import time
+
+from shared import stop_together
+from shared.run_folder import EVAL_FILE, METRICS_FILE
+
+
+class MetricsLog:
+    """<output_dir>/metrics.jsonl: one JSON object per epoch."""
+
+    def __init__(self, output_dir, accelerator):
+        self.path = output_dir / METRICS_FILE
+        self.accelerator = accelerator
+        self.started = time.perf_counter()
+
+    def write(self, epoch, *parts):
+        """Every process must call this, though the main process alone writes (a failed write stops all
+        of them): appends the record of `epoch`, merged from the dicts in parts, and returns it."""
+        record = {"epoch": epoch}
+        for part in parts:
+            record.update(part)
+        record.update(world_size=self.accelerator.num_processes, device=str(self.accelerator.device),
+                      mixed_precision=self.accelerator.mixed_precision, elapsed_s=round(time.perf_counter() - self.started, 3))
+        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume from the newest checkpoint."):
+            if self.accelerator.is_main_process:
+                with self.path.open("a") as file:
+                    file.write(json.dumps(record) + "\n")
+        return record
+
+    def continue_from(self, position):
+        """Every process must call this, for a resumed run: keeps the epochs the checkpoint had finished,
+        drops any later ones, and counts elapsed_s on from the checkpoint's."""
+        self.started = time.perf_counter() - position.elapsed_s
+        if self.accelerator.is_main_process and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["epoch"] < position.epoch]
+            partial = self.path.with_name(self.path.name + ".tmp")
+            partial.write_text("".join(line + "\n" for line in kept))
+            partial.replace(self.path)
+        self.accelerator.wait_for_everyone()
+
+    def records(self):
+        """The records written so far (on the main process; none on the others)."""
+        if not (self.accelerator.is_main_process and self.path.exists()):
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+
+def epoch_line(record, num_epochs):
+    return (
+        f"epoch {record['epoch']}/{num_epochs}  train_loss {record['train_loss']:.4f}  "
+        f"eval_loss {record['eval_loss']:.4f}  eval_accuracy {record['eval_accuracy']:.4f}  "
+        f"{record['samples_per_sec']:,.0f} samples/s  peak {record['peak_memory_mb']:,.0f} MB  world_size {record['world_size']}"
+    )
+
+
+def report_eval(result, source, accelerator, output_dir):
+    """--eval_only: print the weights' accuracy and per-class accuracy, and save them as eval.json."""
+    result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
+    accelerator.print(
+        f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
+        f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})"
+    )
+    for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
+        accelerator.print(f"  class {label}: {accuracy:.4f}")
+    if accelerator.is_main_process:
+        (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=1))

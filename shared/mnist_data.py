@@ -1,0 +1,149 @@
+"""MNIST-family data sets (MNIST, FashionMNIST): downloaded into torchvision's folder layout, or from
+the Hugging Face Hub, and read for either data pipeline. The script calls load() inside accelerate's
+main_process_first, so the main process downloads and the others read its files.
+
+torchvision is imported only where it is used (its import costs about 0.5 s of CPU per process on
+top of torch's): --help, the launcher's flag check and a run whose files are there never load it.
+"""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from shared.errors import UserError, first_line, remove_if_run_fails
+
+# torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+# Mean and standard deviation of the training pixels, after ToTensor has scaled them to [0, 1].
+PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
+
+
+def load(name, data_dir, *, source, hub_name, pipeline, normalize=True):
+    """The training and test sets of data set `name`; `source` is --dataset_source (torchvision's
+    download, or `hub_name` from the Hugging Face Hub), `pipeline` is --data_pipeline.
+
+    For the memory pipeline, every image decoded and normalized at once into a TensorDataset, the same
+    operations ToTensor and Normalize apply one at a time, so bitwise the same values; for the
+    torchvision pipeline, data sets that apply them per sample as the tutorials do. ToTensor scales
+    pixels to [0, 1] and Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
+    stats = PIXEL_STATS[name] if normalize else None
+    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+        raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, "
+                        "or an empty one to download them into.")
+    transform = _per_sample_transform(stats) if pipeline == "torchvision" else None
+    raw_folder = Path(data_dir) / name / "raw"
+    if source == "hub":
+        splits = _from_hub(hub_name, data_dir, transform)
+    elif pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
+        splits = tuple(_read_raw(name, raw_folder, train) for train in (True, False))
+    else:
+        splits = tuple(_download(name, data_dir, train, transform) for train in (True, False))
+    return splits if pipeline == "torchvision" else tuple(as_tensors(split, stats) for split in splits)
+
+
+def as_tensors(dataset, stats):
+    """All images of a torchvision-style data set (uint8 .data, .targets) as one TensorDataset of the
+    float images its ToTensor + Normalize would give one at a time, and the labels."""
+    inputs = dataset.data.unsqueeze(1).float().div(255)
+    if stats:
+        mean, std = (torch.tensor([value]).view(-1, 1, 1) for value in stats)
+        inputs = inputs.sub(mean).div(std)
+    return TensorDataset(inputs, torch.as_tensor(dataset.targets))
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """uint8 images (N x 28 x 28) and labels, named and transformed as torchvision's MNIST does."""
+
+    def __init__(self, data, targets, transform):
+        self.data, self.targets, self.transform = torch.as_tensor(data), torch.as_tensor(targets), transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        return self.transform(self.data[index].numpy()), int(self.targets[index])
+
+
+def _from_hub(hub_name, data_dir, transform):
+    """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
+    import datasets as hub  # only this path needs it
+
+    try:
+        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
+        return tuple(
+            ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
+                         np.asarray(splits[split]["label"]), transform)
+            for split in ("train", "test")
+        )
+    except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
+        raise UserError(
+            f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
+            "pass --dataset_name a local data set with train and test splits of image and label columns, "
+            "or use --dataset_source torchvision."
+        ) from None
+
+
+def _per_sample_transform(stats):
+    """ToTensor, then Normalize with the data set's statistics (none for pixels kept in [0, 1])."""
+    from torchvision import transforms
+
+    steps = [transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else [])
+    return transforms.Compose(steps)
+
+
+def _read_raw(name, raw_folder, train):
+    """One split of torchvision's MNIST files, read as torchvision reads them (uint8 images, int64
+    labels) without importing torchvision, which costs a new process about 0.5 s of CPU
+    (tests/test_data.py shows the tensors are bitwise torchvision's)."""
+    prefix = "train" if train else "t10k"
+    try:
+        images, labels = (_read_idx(raw_folder / f"{prefix}-{kind}") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+    except (ValueError, OSError) as error:
+        raise _unreadable(name, raw_folder, error) from None
+    return ArrayDataset(images, labels.long(), transform=None)
+
+
+def _read_idx(path):
+    """An IDX file of unsigned bytes (MNIST's format): a 4-byte magic number whose last byte is the
+    number of dimensions, one big-endian 4-byte size per dimension, then the data."""
+    data = path.read_bytes()
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path.name} is not an IDX file of unsigned bytes")
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3]))
+    body = 4 + 4 * len(shape)
+    if len(data) != body + math.prod(shape):
+        raise ValueError(f"{path.name} holds {len(data) - body} bytes of data where its header says {math.prod(shape)}")
+    return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
+
+
+def _download(name, data_dir, train, transform):
+    """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there."""
+    raw_folder = Path(data_dir) / name / "raw"
+    for folder in (Path(data_dir), raw_folder.parent, raw_folder):  # torchvision creates them before it downloads
+        if not folder.exists():
+            remove_if_run_fails(folder)
+    from torchvision import datasets
+
+    try:
+        return getattr(datasets, name)(data_dir, train=train, download=True, transform=transform)
+    except RuntimeError as error:
+        if "download" in str(error).lower():
+            name_flag = "" if name == "MNIST" else f" --name {name}"
+            raise UserError(
+                f"{name} is not in {raw_folder} and could not be downloaded ({first_line(error)}): connect to the internet, "
+                f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
+                f"with `python tools/offline_mnist.py --data_dir {data_dir}{name_flag}`."
+            ) from None
+        raise _unreadable(name, raw_folder, error) from None
+    except (ValueError, OSError, EOFError) as error:
+        raise _unreadable(name, raw_folder, error) from None
+
+
+def _unreadable(name, raw_folder, error):
+    return UserError(
+        f"The {name} files in {raw_folder} could not be read ({first_line(error)}): "
+        "delete them so they are downloaded again, or replace them with complete copies."
+    )

@@ -1,0 +1,62 @@
+"""Save, then stop, when a cluster warns that the job is about to be killed.
+
+SIGTERM (Kubernetes, `scancel`, and torchrun passing on its own) and SIGUSR1 (SLURM's `--signal`)
+set accelerate's trigger (accelerator.set_trigger) on the process that receives them; every
+CHECK_EVERY optimizer steps all processes learn in one all-reduce (accelerator.check_trigger) whether
+any was signalled, so they save and stop after the same step. A check every step costs as much as a
+second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is within noise
+(benchmarks/README.md).
+
+A process blocked in a collective that never completes (a peer gone or stuck) never runs Python's
+signal handlers, which wait for the main thread. A thread of its own wakes at the signal instead
+(Python's C-level handler writes the signal's number to the wakeup fd even then) and, when no
+optimizer step has finished for GRACE_S seconds and no stop was agreed, ends the process with one
+line, inside torchrun's 30 s between passing SIGTERM on and killing.
+"""
+
+import signal
+import socket
+import sys
+import threading
+import time
+
+from shared.errors import STOPPED_EXIT_CODE, exit_now
+
+
+class Preemption:
+    """With `enabled` (checkpointing on), SIGTERM and SIGUSR1 mark this process instead of ending it."""
+
+    CHECK_EVERY = 10
+    GRACE_S = 20
+
+    def __init__(self, accelerator, enabled):
+        self.accelerator = accelerator
+        self.enabled = enabled
+        self.agreed = False
+        self.last_progress = time.monotonic()
+        if enabled:
+            for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            threading.Thread(target=self._end_if_stuck, args=(reader, writer), daemon=True).start()
+
+    def stop_agreed(self, step):
+        """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
+        steps it is a collective, accelerator.check_trigger()."""
+        self.last_progress = time.monotonic()
+        self.agreed = self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
+        return self.agreed
+
+    def _end_if_stuck(self, reader, writer):  # writer: kept open as long as the thread lives
+        while reader.recv(1)[0] not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            pass
+        signalled = time.monotonic()
+        while not self.agreed:
+            if time.monotonic() - max(signalled, self.last_progress) > self.GRACE_S:
+                print(f"[rank {self.accelerator.process_index}] stopped: {self.GRACE_S} s after a signal to stop, this process "
+                      "was still waiting on another, so it could not save a checkpoint; the newest complete one stays "
+                      "'latest'.", file=sys.stderr, flush=True)
+                exit_now(STOPPED_EXIT_CODE)
+            time.sleep(0.5)

@@ -1,0 +1,69 @@
+"""Failures that stop every process together. A mistake or a failed write found on one process ends
+all of them with its one sentence, instead of a traceback on one and a hang on the others. Every
+function here is a collective: every process must call it, at the same point of the script."""
+
+import contextlib
+import shutil
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list, gather_object
+
+from shared.errors import UserError, first_line
+
+
+def if_any_failed(sentence):
+    """Every process must call this: each passes its UserError sentence or None, and every process
+    raises the first one given."""
+    failures = [message for message in gather_object([sentence]) if message]
+    if failures:
+        raise UserError(failures[0], every_process=True)
+
+
+def on_main_process(accelerator, function):
+    """Every process must call this: function() runs on the main process while the others wait, and
+    every process returns its result, or raises its UserError."""
+    result = error = None
+    if accelerator.is_main_process:
+        try:
+            result = function()
+        except UserError as mistake:
+            error = str(mistake)
+    result, error = broadcast_object_list([result, error])
+    if error is not None:
+        raise UserError(error, every_process=True)
+    return result
+
+
+@contextlib.contextmanager
+def if_write_fails(path, advice):
+    """Every process must enter this, around a write that some or all of them make: when it fails on
+    any process (a full disk, no permission, an I/O error), every process stops with one sentence naming
+    `path`, the cause and `advice`, what to do."""
+    error = None
+    try:
+        yield
+    except Exception as failure:  # torch, safetensors and the OS raise many kinds on a failed write
+        cause = first_line(failure)
+        if "space" not in cause:  # torch.save says only "iostream error" on a full disk
+            free = shutil.disk_usage(next(folder for folder in Path(path).parents if folder.exists())).free
+            cause = f"no space left on its disk: {cause}" if free < 2**20 else f"{cause}; {free / 2**20:.1f} MB free on its disk"
+        error = f"Could not write {path} ({cause}): {advice}"
+    if_any_failed(error)
+
+
+class FailureCaught(contextlib.AbstractContextManager):
+    """A UserError raised inside `with` is kept, not raised, so that code around it (accelerate's
+    main_process_first and its barriers) runs on as on every other process; raise_everywhere() then
+    stops every process with it."""
+
+    sentence = None
+
+    def __exit__(self, kind, error, trace):
+        if isinstance(error, UserError):
+            self.sentence = str(error)
+            return True
+        return None
+
+    def raise_everywhere(self):
+        """Every process must call this: a failure caught on any process stops all of them with its sentence."""
+        if_any_failed(self.sentence)

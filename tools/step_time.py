@@ -1,0 +1,124 @@
+"""Where a training step's time went, from the traces that a run's --profile wrote:
+
+    python tools/step_time.py runs/mnist_conv/profile
+
+prints a table with a row per process (every trace_rank<N>.json in the folder), in ms per step
+averaged over the recorded steps, and saves it as step_time.json beside the traces.
+
+Steps are the host's ProfilerStep#N annotations; on a GPU, Kineto repeats each on the device's rows
+(gpu_user_annotation), which mark where that step's kernels ran and are not counted again.
+The host's phases, from each process's main thread (on a GPU: the time the host spent issuing them):
+- forward: the model's forward call; backward: from the first to the last of autograd's functions,
+  on any thread (on a GPU autograd runs on a device thread of its own);
+- optimizer: the optimizer's step and zero_grad; data and loop: the rest of the step.
+DDP's gradient all-reduce:
+- on a CPU (gloo: no kernels in the trace), `all-reduce wait` is the host's wait from the end of
+  backward until DDP has copied the averaged gradients back (copy_bucket_to_grad, on whichever thread
+  runs it), and `all-reduce under backward` is gloo's all-reduce time while backward still computed;
+- on a GPU the host never waits on NCCL, so both come from the device timeline: the time NCCL's
+  kernels ran while no other kernel did (the step waits for it: `all-reduce wait`), and while other
+  kernels ran beside them (`all-reduce under backward`); `device busy` is the time any kernel ran,
+  the step's floor on that device.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HOST_PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
+
+
+def host_steps(events):
+    """The host's ProfilerStep#N spans (not their copies on the device's rows)."""
+    return [event for event in events if event.get("cat") == "user_annotation" and event["name"].startswith("ProfilerStep#")]
+
+
+def backward_span(events):
+    """(start, end) of autograd's functions among events, on any thread; None if there are none."""
+    autograd = [event for event in events if event["name"].startswith("autograd::engine::evaluate_function")]
+    return (min(event["ts"] for event in autograd), max(event["ts"] + event["dur"] for event in autograd)) if autograd else None
+
+
+def merged(intervals):
+    """Sorted, non-overlapping (start, end) covering the same time as the intervals."""
+    spans = []
+    for start, end in sorted(intervals):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def overlap(start, end, spans):
+    return sum(max(0.0, min(end, span_end) - max(start, span_start)) for span_start, span_end in spans)
+
+
+def step_time(trace):
+    """Milliseconds per step in each phase, averaged over the trace's recorded steps."""
+    events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
+    steps = host_steps(events)
+    main = steps[0]["tid"] if steps else None
+    host = [event for event in events if event.get("cat") not in ("kernel", "gpu_user_annotation", "gpu_memcpy", "gpu_memset")]
+    kernels = [event for event in events if event.get("cat") == "kernel"]
+    on_device = {event["name"]: event for event in events if event.get("cat") == "gpu_user_annotation"}
+    totals = {}
+    for step in steps:
+        start, end = step["ts"], step["ts"] + step["dur"]
+        inside = [event for event in host if start <= event["ts"] < end]
+        on_main = [event for event in inside if event["tid"] == main]
+
+        def total(prefix):
+            return sum(event["dur"] for event in on_main if event["name"].startswith(prefix))
+
+        backward = backward_span(inside) or (start, start)
+        phases = {"forward": total("DistributedDataParallel.forward") or total("forward"), "backward": backward[1] - backward[0],
+                  "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
+        if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
+            device_step = on_device.get(step["name"], step)
+            ran = [event for event in kernels if device_step["ts"] <= event["ts"] < device_step["ts"] + device_step["dur"]]
+            nccl = [event for event in ran if "nccl" in event["name"].lower()]
+            compute = merged((event["ts"], event["ts"] + event["dur"]) for event in ran if event not in nccl)
+            hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], compute) for event in nccl)
+            phases["data and loop"] = max(0.0, step["dur"] - sum(phases.values()))
+            phases["all-reduce wait"] = sum(event["dur"] for event in nccl) - hidden
+            phases["device busy"] = sum(span_end - span_start for span_start, span_end in merged(
+                (event["ts"], event["ts"] + event["dur"]) for event in ran))
+        else:
+            copies = [event for event in inside if event["name"].startswith("torch.distributed.ddp.reducer::copy_bucket_to_grad")]
+            phases["all-reduce wait"] = max(0.0, max((event["ts"] + event["dur"] for event in copies), default=backward[1]) - backward[1])
+            phases["data and loop"] = max(0.0, step["dur"] - sum(phases.values()))
+            reduces = [event for event in inside if event["name"] in ("gloo:all_reduce", "nccl:all_reduce")]
+            hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], [backward]) for event in reduces)
+        for name, value in {"step": step["dur"], **phases, "all-reduce under backward": hidden}.items():
+            totals[name] = totals.get(name, 0.0) + value
+    row = {name: round(value / max(len(steps), 1) / 1000, 3) for name, value in totals.items()}
+    return row | {"steps": len(steps), "timeline": "device" if kernels else "host"}
+
+
+def table(rows, folder):
+    """The rows of step_time as a table, one line per process."""
+    columns = ("step",) + HOST_PHASES + ("all-reduce under backward",) + (("device busy",) if "device busy" in rows[0] else ())
+    lines = [f"Where a step's time went, ms per step over {rows[0]['steps']} profiled steps (traces in {folder}; the "
+             f"all-reduce columns from the {rows[0]['timeline']} timeline):",
+             "| process | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {row['process']} | " + " | ".join(f"{row[name]:.2f}" for name in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="the profile folder of a run that --profile recorded (<output_dir>/profile)")
+    folder = parser.parse_args().folder
+    traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
+    rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(json.loads(path.read_text()))} for path in traces]
+    if not rows or not rows[0]["steps"]:
+        sys.exit(f"error: {folder} holds no trace with a recorded step: pass the profile folder of a run trained with --profile.")
+    (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows, folder))
+
+
+if __name__ == "__main__":
+    main()
