@@ -52,7 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_epochs", type=flags.positive_int, default=5, help="passes over the training set")
     parser.add_argument("--batch_size", type=flags.positive_int, default=64, help=flags.BATCH_SIZE_HELP)
     parser.add_argument("--eval_batch_size", type=flags.positive_int, default=1000, help="evaluation batch size per process")
-    parser.add_argument("--lr", type=flags.positive_float, default=1.0, help="Adadelta's learning rate (the same at every world size)")
+    parser.add_argument("--lr", type=flags.learning_rate, default=1.0, help="Adadelta's learning rate (the same at every world size)")
     parser.add_argument("--gamma", type=flags.positive_float, default=0.7, help="learning-rate factor applied after each epoch")
     parser.add_argument("--channels_last", action="store_true",
                         help="keep the conv activations in NHWC order, which the GPU's fastest bf16 and fp16 convolutions use")

@@ -56,7 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_epochs", type=flags.positive_int, default=10, help="passes over the training set")
     parser.add_argument("--batch_size", type=flags.positive_int, default=200, help=flags.BATCH_SIZE_HELP)
     parser.add_argument("--eval_batch_size", type=flags.positive_int, default=1000, help="evaluation batch size per process")
-    parser.add_argument("--lr", type=flags.positive_float, default=0.01, help="Adam's learning rate (the same at every world size)")
+    parser.add_argument("--lr", type=flags.learning_rate, default=0.01, help="Adam's learning rate (the same at every world size)")
     parser.add_argument("--gamma", type=flags.positive_float, default=1.0, help="learning-rate factor applied after each epoch")
     flags.add_mnist_flags(parser, hub_name="zalando-datasets/fashion_mnist")
     return parser.parse_args(argv)

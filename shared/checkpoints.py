@@ -1,10 +1,9 @@
 """Checkpoints around accelerator.save_state and load_state: written atomically, checked, resumed exactly.
 
-The script calls save_state into the folder that `Checkpoints.saving` gives it, a hidden .tmp_
-folder renamed only once every process has finished, so a crash or a full disk while saving never
-leaves a broken folder that `latest` could pick. Its trainer_state.json records where in the epoch it
-stopped, in samples, so a resume with another number of processes (or batch size) knows which batch
-comes next or says that it cannot; and every file's SHA-256, so a file damaged since is found first.
+save_state writes into a hidden .tmp_ folder, renamed once every process has finished, so a crash or
+a full disk never leaves a broken folder for `latest`. Its trainer_state.json records where in the
+epoch it stopped, in samples (a resume at another world size knows the next batch, or says it cannot),
+and every file's SHA-256, so a file damaged since is found before it is loaded.
 """
 
 import contextlib
@@ -24,8 +23,7 @@ from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE
 
 @dataclasses.dataclass
 class Position:
-    """Where training (re)starts: the checkpoint (None: a new run), the epoch to run, how far into it the
-    checkpoint got, and what the epoch had summed so far."""
+    """Where training (re)starts: the checkpoint (None: a new run), and where in which epoch it stopped."""
 
     path: Path = None
     epoch: int = 1
@@ -52,19 +50,16 @@ class Checkpoints:
         return isinstance(self.every, int) and step % self.every == 0
 
     def due_after_epoch(self, whole_epoch):
-        """Whether --checkpointing_steps epoch asks for a save after an epoch (not one cut short by --max_train_steps)."""
+        """Whether --checkpointing_steps epoch asks for one after an epoch (not one --max_train_steps cut short)."""
         return self.every == "epoch" and whole_epoch
 
     @contextlib.contextmanager
     def saving(self, epoch, step, stats=None):
-        """Every process must enter this around accelerator.save_state(folder), with the folder it gives.
-        `stats` (epoch_stats.EpochStats) marks a save inside the epoch, with its batches and loss sums so
-        far (one all-reduce); without it the save is at the start of `epoch`. On a clean exit the folder
-        becomes checkpoints/step_<step> (self.newest): its digests and position recorded, renamed, older
-        ones pruned.
-
-        A save that fails on any process (a full disk, no permission, an I/O error) stops every process
-        with one sentence; the checkpoints before it stay complete and `latest` still names the newest."""
+        """Every process must enter this around accelerator.save_state(folder), with the folder it gives;
+        on a clean exit that becomes checkpoints/step_<step> (self.newest), older ones pruned. `stats`
+        (epoch_stats.EpochStats) marks a save inside `epoch`, with its sums so far (one all-reduce).
+        A save that fails on any process (a full disk, an I/O error) stops every one with one sentence;
+        the checkpoints before it stay complete, and `latest` still names the newest."""
         position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
         if stats is not None:
             position.batches_done = stats.batches
@@ -105,13 +100,10 @@ class Checkpoints:
                 shutil.rmtree(old)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
-        """Every process must call this: the Position to resume from, for --resume_from_checkpoint `spec`
-        (a folder, or `latest`), before the script's accelerator.load_state(position.path).
-
-        `latest` is the newest checkpoint whose files are as they were saved (see first_intact); in an
-        --output_dir with no checkpoint yet it starts a new run (a requeued job's first start). A run
-        that holds epochs but no intact checkpoint, or has finished its epochs or its `max_train_steps`,
-        stops with a sentence. `split_batches` only words advice."""
+        """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
+        folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
+        `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
+        epochs but no intact checkpoint, or has finished, stops with a sentence."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._nothing_to_resume)
@@ -156,9 +148,9 @@ class Checkpoints:
 
 def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
-    newest of output_dir's), after every process has checked the digests of the files it hashes in its
-    machine's copy. A damaged checkpoint named outright stops the run; `latest` names each damaged one,
-    sets it aside as damaged_step_N (never deleted) and tries the one before it. None: nothing to try."""
+    newest of output_dir's), once every process has checked the files it hashes in its machine's copy.
+    A damaged one named outright stops the run; `latest` names each damaged one, sets it aside as
+    damaged_step_N (never deleted) and tries the one before. None: there is none."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [str(spec)] if read_state(Path(spec)) else [])
@@ -178,9 +170,8 @@ def first_intact(accelerator, output_dir, spec):
 
 
 def weights_to_evaluate(accelerator, spec, output_dir):
-    """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`, a
-    checkpoint folder, a model.safetensors file, or `latest`: the newest of the run's intact checkpoint
-    and its model.safetensors (written when the run finished after its last checkpoint)."""
+    """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`: a
+    checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir."""
     if not spec:
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
     if spec != "latest" and Path(spec).is_file():
@@ -196,8 +187,7 @@ def weights_to_evaluate(accelerator, spec, output_dir):
 
 
 def load_model_file(accelerator, model, path):
-    """--eval_only: load a model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike
-    (torch's distributed state-dict API fills each process's shard from the full weights)."""
+    """--eval_only: a model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
 
     try:

@@ -9,9 +9,9 @@ from shared.errors import UserError
 
 
 class EpochStats:
-    """Sums the training loss and sample count of `epoch` on this process, and measures its peak memory.
-    `carried_over` (a checkpoints.Position inside its epoch) adds what the checkpoint had summed of the
-    epoch before it stopped, so a resumed epoch reports the numbers of one that never stopped."""
+    """The loss and sample sums of `epoch` on this process, and its peak memory. `carried_over` (a
+    checkpoints.Position inside the epoch) adds what the checkpoint had summed, so that a resumed epoch
+    reports the numbers of one that never stopped."""
 
     def __init__(self, accelerator, model, epoch, carried_over=None):
         self.accelerator, self.model, self.epoch = accelerator, model, epoch
@@ -33,8 +33,8 @@ class EpochStats:
 
     def snapshot(self):
         """Every process must call this (one all-reduce): the loss and sample sums over all processes so
-        far and the seconds spent, for a checkpoint or the summary. Stops every process when the loss or
-        a weight is no longer finite, so that no checkpoint or model file of such weights is written."""
+        far, and the seconds spent. Stops every process when the loss or a weight is not finite, so that
+        no checkpoint or model file of such weights is ever written."""
         nonfinite = sum((~torch.isfinite(weight.to_local() if hasattr(weight, "to_local") else weight)).sum()  # FSDP: this shard
                         for weight in self.model.parameters())
         totals = torch.stack([self.loss_sum.float(), torch.tensor(float(self.samples), device=self.loss_sum.device),
@@ -63,8 +63,7 @@ class EpochStats:
 
 
 def reset_peak_memory(device):
-    """Start measuring a new peak: CUDA's peak allocated, or the process's peak resident set (Linux lets
-    a process reset its own high-water mark through /proc/self/clear_refs)."""
+    """A new peak from now: CUDA's allocated, or the process's resident set (reset through /proc/self/clear_refs)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -76,8 +75,8 @@ def reset_peak_memory(device):
 
 
 def peak_memory_mb(device):
-    """This process's peak memory since reset_peak_memory, in MiB: on a GPU what PyTorch allocated there;
-    on a CPU the resident set (everything the process held in RAM: the model, the data set, PyTorch)."""
+    """This process's peak memory in MiB since reset_peak_memory: on a GPU what PyTorch allocated; on a
+    CPU the resident set (the model, the data set, PyTorch: all the process held in RAM)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:

@@ -20,9 +20,8 @@ LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Bro
 
 
 class UserError(Exception):
-    """A mistake the user can fix; the message says how, and is printed without a traceback.
-    every_process: every process raised it with the same sentence (through a collective), so each
-    machine's first process says it for that machine."""
+    """A mistake the user can fix, in one sentence that says how, printed without a traceback.
+    every_process: all processes raised this sentence, so each machine's first process says it."""
 
     def __init__(self, sentence, every_process=False):
         super().__init__(sentence)
@@ -40,13 +39,10 @@ def first_line(error):
 
 
 def run_main(main):
-    """Run a script's main(): a UserError ends the process with its sentence and exit code 1, Stopped
-    with exit code 143, a lost peer with 75 and Ctrl-C with 130, each in one line; a failed run removes
-    what it had made (remove_if_run_fails). SHOW_TRACEBACK=1 adds the traceback, for bug reports.
-
-    After main() the garbage left in cycles is collected while the interpreter is whole: a gloo group
-    destroyed during interpreter shutdown lets its threads reach for a Python that is gone, which
-    aborts the process after the run had saved everything (the scripts' free_memory() is for that too)."""
+    """Run a script's main(): a UserError ends the process in its sentence and exit code 1, Stopped in
+    143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made. SHOW_TRACEBACK=1 adds
+    the traceback, for bug reports. The garbage of main() is collected while the interpreter is whole: a
+    gloo group destroyed in interpreter shutdown aborts the process (the scripts' free_memory() too)."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
@@ -74,9 +70,8 @@ def run_main(main):
         except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
             if not (torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
                 raise
-            # Another process of the run, or the network to it, is gone: the launcher names it and restarts
-            # the run if asked to. This survivor leaves with a code of its own that tells the launcher it is
-            # not the cause, a moment later, so that torchrun (which goes by whole seconds) sees the lost one first.
+            # Another process, or the network to it, is gone: this survivor leaves with a code that tells the
+            # launcher it is not the cause, 2 s later, so that torchrun (which goes by whole seconds) sees the lost one first.
             print_traceback_if_asked()
             if "imed out" in str(error):
                 print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
@@ -84,8 +79,7 @@ def run_main(main):
             time.sleep(2)
             exit_now(LOST_PEER_EXIT_CODE)
     except KeyboardInterrupt:
-        # The launcher passes Ctrl-C to the processes one after another, so it can reach this one in
-        # training or while it handles another's loss: one line for the run, not a traceback each.
+        # The launcher passes Ctrl-C on process by process: it can reach this one while it handles another's loss.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
         remove_what_the_failed_run_made()
         if rank == 0:
@@ -106,9 +100,8 @@ def exit_now(code):
 
 
 def warn_if_launched_alone():
-    """accelerate launch was asked for several processes (it sets MASTER_ADDR) but started only this
-    one, as its plain launcher does with a MULTI_CPU profile or without one on a machine without GPUs.
-    Nothing else would show it but world_size 1 in the epoch lines."""
+    """accelerate launch was asked for several processes (it sets MASTER_ADDR) but started this one alone,
+    as its plain launcher does on a machine without GPUs: nothing else would show it but world_size 1."""
     in_a_group = any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
     if "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ and not in_a_group:
         print("warning: accelerate launch was asked for several processes but started this one alone, which trains "
@@ -119,8 +112,7 @@ _MADE_BY_THIS_RUN = []
 
 
 def remove_if_run_fails(path):
-    """A folder or file this run has just made: a run that fails removes it again (a folder only if
-    nothing else was written to it)."""
+    """A folder or file this run has just made, which a failed run removes (a folder only if empty)."""
     _MADE_BY_THIS_RUN.append(Path(path))
 
 
@@ -133,10 +125,9 @@ def remove_what_the_failed_run_made():
 
 
 def leave_process_group_together(timeout_s=10):
-    """Wait until every process has come this far, then leave the process group. Rank 0 hosts the
-    rendezvous, so its exit while another rank is still joining crashes that rank with a gloo
-    traceback, and a group left up sometimes aborts in its C++ teardown (signal 6). A rank that stops
-    alone waits timeout_s at most: its barrier runs in a thread that may never return."""
+    """Leave the process group once every process has come this far: rank 0 hosts the rendezvous, so its
+    exit while another rank is still joining crashes that rank, and a group left up can abort in its C++
+    teardown. A rank that stops alone waits timeout_s at most, its barrier in a thread that may never return."""
     if not torch.distributed.is_initialized():
         return
     barrier = threading.Thread(target=_barrier_quietly, daemon=True)

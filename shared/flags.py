@@ -1,6 +1,5 @@
-"""The command-line flags every complete script shares, named as accelerate's own examples name them,
-and their one-sentence checks. Each script declares the flags that make it what it is (epochs, batch
-size, learning rate, schedule) itself."""
+"""The flags every complete script shares, named as accelerate's examples name them, and their
+one-sentence checks. Each script declares its own epochs, batch size, learning rate and schedule."""
 
 import argparse
 import os
@@ -28,6 +27,7 @@ positive_int = _number(int, "a whole number", lambda value: value >= 1, "at leas
 non_negative_int = _number(int, "a whole number", lambda value: value >= 0, "0 or more")
 positive_float = _number(float, "a number", lambda value: value > 0, "greater than 0")
 accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy above 0 and at most 1")
+learning_rate = _number(float, "a number", lambda value: 0 < value <= 3.4e38, "above 0 and at most 3.4e38, float32's largest")
 
 
 def checkpointing_steps(text):
@@ -109,10 +109,9 @@ def add_mnist_flags(parser, hub_name):
 
 
 def batch_size_per_process(batch_size, num_processes, split):
-    """Each process's training batch: --batch_size split evenly across the processes, or all of it when
-    not `split` (--no_split_batches). (accelerate's own DataLoaderConfiguration(split_batches=True) splits
-    every prepared loader, the evaluation batch of 1,000 too, which 3 processes cannot split, and does not
-    reach the in-memory loader.)"""
+    """Each process's training batch: --batch_size split evenly across the processes, or all of it with
+    --no_split_batches. (accelerate's split_batches=True splits every prepared loader, the evaluation
+    batch of 1,000 too, which 3 processes cannot split, and does not reach the in-memory loader.)"""
     if not split:
         return batch_size
     if batch_size % num_processes:

@@ -1,6 +1,7 @@
 """InMemoryLoader: training batches sliced from a data set held in tensors on the device (the
 --data_pipeline memory, the default), in the order and sharding of accelerate's prepared DataLoader."""
 
+import copy
 import math
 
 import torch
@@ -20,7 +21,7 @@ class InMemoryLoader(DataLoaderStateMixin):
     at 0.87 of this loader's samples/s for cpu_gloo.py on one process and 0.84 on two: per batch its
     sampler, batch sampler and accelerate's prefetching wrapper cost more than the linear net's step."""
 
-    def __init__(self, dataset, batch_size, accelerator, seed, skip_batches=0, home=None):
+    def __init__(self, dataset, batch_size, accelerator, seed, home=None):
         """`home`: the device that holds the data set; by default the accelerator's, unless the set would
         take over a quarter of a GPU's free memory (then the CPU, and each batch moves to the GPU)."""
         inputs, labels = dataset.tensors
@@ -28,7 +29,7 @@ class InMemoryLoader(DataLoaderStateMixin):
         if home.type == "cuda" and inputs.numel() * inputs.element_size() > torch.cuda.mem_get_info(home)[0] // 4:
             home = torch.device("cpu")
         self.inputs, self.labels, self.batch_size, self.seed = inputs.to(home), labels.to(home), batch_size, seed
-        self.accelerator, self.skip_batches, self.epoch = accelerator, skip_batches, 0
+        self.accelerator, self.skip_batches, self.epoch = accelerator, 0, 0
         # DataLoaderStateMixin: tells accelerator.accumulate when the epoch ends, so that a last
         # partial accumulation window still ends in an optimizer step.
         self.gradient_state = GradientState()
@@ -42,9 +43,8 @@ class InMemoryLoader(DataLoaderStateMixin):
 
     def skip_first_batches(self, num_batches):
         """This epoch's batches after the first num_batches, as accelerator.skip_first_batches gives them."""
-        skipped = InMemoryLoader(torch.utils.data.TensorDataset(self.inputs, self.labels), self.batch_size, self.accelerator,
-                                 self.seed, num_batches, home=self.inputs.device)
-        skipped.set_epoch(self.epoch)
+        skipped = copy.copy(self)
+        skipped.skip_batches = num_batches
         return skipped
 
     def this_process_batches(self):

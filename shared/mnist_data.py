@@ -1,9 +1,7 @@
-"""MNIST-family data sets (MNIST, FashionMNIST): downloaded into torchvision's folder layout, or from
-the Hugging Face Hub, and read for either data pipeline. The script calls load() inside accelerate's
-main_process_first, so the main process downloads and the others read its files.
-
-torchvision is imported only where it is used (its import costs about 0.5 s of CPU per process on
-top of torch's): --help, the launcher's flag check and a run whose files are there never load it.
+"""MNIST and FashionMNIST: downloaded into torchvision's folder layout, or from the Hugging Face Hub,
+and read for either --data_pipeline. The scripts call load() inside main_process_first, so the main
+process downloads and the others read its files. torchvision is imported only where it is used (about
+0.5 s of CPU per process): --help and a run whose files are there never load it.
 """
 
 import math
@@ -22,13 +20,11 @@ PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 
 
 def load(name, data_dir, *, source, hub_name, pipeline, normalize=True):
-    """The training and test sets of data set `name`; `source` is --dataset_source (torchvision's
-    download, or `hub_name` from the Hugging Face Hub), `pipeline` is --data_pipeline.
-
-    For the memory pipeline, every image decoded and normalized at once into a TensorDataset, the same
-    operations ToTensor and Normalize apply one at a time, so bitwise the same values; for the
-    torchvision pipeline, data sets that apply them per sample as the tutorials do. ToTensor scales
-    pixels to [0, 1] and Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
+    """The training and test sets of `name`, from --dataset_source `source` (torchvision's download, or
+    `hub_name` on the Hub). For --data_pipeline memory, TensorDatasets of every image decoded and normalized
+    at once, by the operations ToTensor and Normalize apply one at a time (so bitwise the same values);
+    for torchvision, data sets that apply them per sample, as the tutorials do. ToTensor scales pixels
+    to [0, 1] and Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
     stats = PIXEL_STATS[name] if normalize else None
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, "
@@ -45,8 +41,7 @@ def load(name, data_dir, *, source, hub_name, pipeline, normalize=True):
 
 
 def as_tensors(dataset, stats):
-    """All images of a torchvision-style data set (uint8 .data, .targets) as one TensorDataset of the
-    float images its ToTensor + Normalize would give one at a time, and the labels."""
+    """A torchvision-style data set (uint8 .data, .targets) as a TensorDataset of normalized float images."""
     inputs = dataset.data.unsqueeze(1).float().div(255)
     if stats:
         mean, std = (torch.tensor([value]).view(-1, 1, 1) for value in stats)
@@ -95,8 +90,7 @@ def _per_sample_transform(stats):
 
 
 def _read_raw(name, raw_folder, train):
-    """One split of torchvision's MNIST files, read as torchvision reads them (uint8 images, int64
-    labels) without importing torchvision, which costs a new process about 0.5 s of CPU
+    """One split of torchvision's MNIST files, read as torchvision reads them but without its import
     (tests/test_data.py shows the tensors are bitwise torchvision's)."""
     prefix = "train" if train else "t10k"
     try:

@@ -35,21 +35,18 @@ def checkpoints_in(folder):
 
 
 def writes_here(accelerator):
-    """Whether this process writes the files that one process writes for the folder (a checkpoint's
-    state, the model): the main process, and with a disk per machine (accelerate's save_on_each_node,
-    set by the script from prepare's answer) each machine's first."""
+    """Whether this process writes what one process writes (a checkpoint's state, the model): the main
+    process, and with a disk per machine (accelerate's save_on_each_node) each machine's first."""
     return accelerator.is_main_process or (accelerator.is_local_main_process and accelerator.project_configuration.save_on_each_node)
 
 
 def prepare(accelerator, output_dir, *, overwrite, resuming):
-    """Every process must call this. Makes output_dir this run's, or stops every process with a
-    sentence: when it is a file, when a live run holds it, or when it holds an earlier run that this
-    one neither resumes (`resuming`: --resume_from_checkpoint or --eval_only) nor replaces
-    (`overwrite`: --overwrite_output_dir, which deletes that run's files once this run holds the folder).
-
-    The main process takes it first; then the first process of every other machine looks for its lock
-    file. A machine that does not see it (no disk shared with machine 0) takes the same path on its own
-    disk. Returns the folder and whether every machine shares it."""
+    """Every process must call this: makes output_dir this run's, or stops all with a sentence when it is
+    a file, a live run holds it, or it holds an earlier run that this one neither resumes (`resuming`)
+    nor replaces (`overwrite`, which deletes that run's files once this run holds the folder). The main
+    process takes it first; each other machine's first process then looks for its lock file, and where
+    it does not see it (no shared disk), takes the path on its own disk. Returns the folder, and whether
+    every machine shares it."""
     output_dir = Path(output_dir)
     holder = stop_together.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
     sees_main = not accelerator.is_local_main_process or _holder(output_dir) == holder
@@ -99,10 +96,8 @@ def _holder(output_dir):
 
 
 def hold(output_dir):
-    """Take output_dir's lock for the rest of this process's life, or stop naming the live run that has it.
-
-    An advisory lock (flock) of a file in the folder: two launches into one folder on one machine, or
-    on machines sharing the folder over NFS, see each other; a run that was killed holds nothing."""
+    """Take output_dir's lock for this process's life, or stop naming the live run that has it: a flock,
+    seen by launches on one machine or sharing the folder over NFS, and let go by a killed run too."""
     path = output_dir / LOCK_FILE
     while True:
         file = open(path, "a+")

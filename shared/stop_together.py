@@ -1,6 +1,6 @@
-"""Failures that stop every process together. A mistake or a failed write found on one process ends
-all of them with its one sentence, instead of a traceback on one and a hang on the others. Every
-function here is a collective: every process must call it, at the same point of the script."""
+"""Failures that stop every process together: a mistake or a failed write found on one process ends
+all of them in its sentence, not a traceback on one and a hang on the others. Every function here is a
+collective: every process must call it at the same point."""
 
 import contextlib
 import shutil
@@ -36,9 +36,8 @@ def on_main_process(accelerator, function):
 
 @contextlib.contextmanager
 def if_write_fails(path, advice):
-    """Every process must enter this, around a write that some or all of them make: when it fails on
-    any process (a full disk, no permission, an I/O error), every process stops with one sentence naming
-    `path`, the cause and `advice`, what to do."""
+    """Every process must enter this, around a write that some or all of them make: when it fails on any
+    process (a full disk, an I/O error), all stop with one sentence naming `path`, the cause and `advice`."""
     error = None
     try:
         yield
@@ -52,9 +51,8 @@ def if_write_fails(path, advice):
 
 
 class FailureCaught(contextlib.AbstractContextManager):
-    """A UserError raised inside `with` is kept, not raised, so that code around it (accelerate's
-    main_process_first and its barriers) runs on as on every other process; raise_everywhere() then
-    stops every process with it."""
+    """A UserError raised inside `with` is kept, so that the code around it (main_process_first's
+    barriers) runs on as on the other processes; raise_everywhere() then stops every process with it."""
 
     sentence = None
 

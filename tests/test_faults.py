@@ -16,6 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, python_command, read_metrics, read_state, run, script_env, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
@@ -207,6 +209,61 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     assert_ends_like(reference, run_dir)
 
 
+def test_each_process_hashes_the_checkpoint_files_it_wrote(small_data, tmp_path):
+    """At a save, rank 1 hashes its own RNG state and rank 0 what it wrote (the model, optimizer and
+    scheduler, its RNG state), so no process reads every file while the others wait; a resume checks
+    them the same way, and a resume with fewer processes gives the files of the missing ranks to rank 0."""
+    output_dir, logs = tmp_path / "run", tmp_path / "hashed"
+    logs.mkdir()
+    env = {**script_env(), "HASH_LOG": str(logs)}
+    args = ["--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8", "--log_interval", "1000"]
+    probe = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "who_hashes.py", SCRIPTS / "cpu_gloo.py"]
+    run([*probe, *args, "--max_train_steps", "20", "--checkpointing_steps", "20"], cwd=tmp_path, env=env)
+    run([*probe, *args, "--max_train_steps", "30", "--resume_from_checkpoint", "latest"], cwd=tmp_path, env=env)
+    mine = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
+    hashed = {rank: (logs / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)}
+    assert sorted(hashed[0]) == sorted([f"{when} {name}" for when in ("saved", "checked") for name in mine])
+    assert hashed[1] == ["saved random_states_1.pkl", "checked random_states_1.pkl"]
+
+    (logs / "rank0.txt").unlink()
+    run([sys.executable, PROBES / "who_hashes.py", SCRIPTS / "cpu_gloo.py", *args, "--max_train_steps", "40",
+         "--resume_from_checkpoint", "latest"], cwd=tmp_path, env=env)
+    assert sorted((logs / "rank0.txt").read_text().splitlines()) == sorted(f"checked {name}" for name in mine | {"random_states_1.pkl"})
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_diverged_run_stops_in_one_sentence_and_keeps_its_finite_checkpoints(num_processes, small_data, tmp_path):
+    """--gamma 1e40 (a typo in an exponent) makes the learning rate 1e38 after epoch 1, and epoch 2
+    diverges at once: every process stops at the next check of the loss, the save at step 70, with one
+    sentence naming the epoch and the learning rate, and writes neither that checkpoint nor a model file;
+    epoch 1's checkpoints stay, finite, the newest of them `latest`."""
+    output_dir = tmp_path / "run"
+    result = run(training_command(num_processes, "--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8",
+                                  "--num_epochs", "3", "--checkpointing_steps", "10", "--gamma", "1e40", "--log_interval", "1000"),
+                 cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert line.startswith("error: Training diverged in epoch 2: the loss summed over its steps is nan") and \
+           "The learning rate is likely too high: lower --lr" in line, line
+    checkpoint = latest_checkpoint(output_dir / "checkpoints")
+    assert checkpoint.name == "step_00000060" and checkpoint_damage(checkpoint) is None  # 64 steps an epoch
+    assert all(torch.isfinite(tensor).all() for tensor in load_file(checkpoint / "model.safetensors").values())
+    assert not list((output_dir / "checkpoints").glob(".tmp_*")) and not (output_dir / "model.safetensors").exists()
+    assert [(r["epoch"], r["world_size"]) for r in read_metrics(output_dir)] == [(1, num_processes)]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_the_first_rung_stops_a_diverged_run_too(num_processes, tmp_path):
+    command = [*([sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2"] if num_processes == 2 else [sys.executable]),
+               SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run", "--lr", "1e30"]
+    result = run(command, cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "error:" in line] == [
+        "error: Training diverged in epoch 2: the loss is nan. The learning rate is likely too high: lower --lr and train again."]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "run")] == [(1, num_processes)]  # its loss was finite
+
+
 def wait_for_metrics(job, output_dir):
     deadline = time.monotonic() + 120
     while not (output_dir / "metrics.jsonl").exists():
@@ -266,6 +323,20 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
             (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
             assert line.startswith(f"error: The processes disagree before the first step: {difference}") and line.endswith(advice), line
         assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
+    """Machine 1 launched with bf16 (its copy of the profile edited): the same flags, but the Accelerators
+    differ, which the processes compare too."""
+    args = [SCRIPTS / "cpu_gloo.py", "--data_dir", small_data, "--output_dir", tmp_path / "run", "--num_epochs", "1"]
+    host = os.uname().nodename
+    results = two_machines(tmp_path, [args, ["--mixed_precision", "bf16", *args]])
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert line == (f"error: The processes disagree before the first step: mixed precision is bf16 in process 1 on {host} but "
+                        f"mixed precision is no in process 0 on {host}: launch every machine with the same launch profile settings."), line
+    assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
 def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):

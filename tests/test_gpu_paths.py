@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils.data import TensorDataset
 
-from conftest import CONFIGS, SCRIPTS, run
+from conftest import CONFIGS, SCRIPTS, run, two_machines
 
 from shared.in_memory_loader import InMemoryLoader
 
@@ -32,6 +32,45 @@ def test_fsdp2_with_bf16_batchnorm_loss_eval_only_and_buffers_on_two_cpu_process
         # --eval_only's old plain load_state_dict fails on sharded parameters; torch's state-dict API loads them
         assert "DTensor" in record["plain_load_state_dict"]
     assert ranks[0]["full_state_dict_round_trip"]
+
+
+def launch_probe(mode, folder, num_processes):
+    run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes,
+         PROBES / "fsdp2_checkpoints.py", mode, folder], cwd=folder)
+    return [json.loads((folder / f"{mode}_{num_processes}_rank_{rank}.json").read_text()) for rank in range(num_processes)]
+
+
+def test_fsdp2_sharded_checkpoints_resume_at_another_process_count(tmp_path):
+    """fsdp.yaml's checkpoints, through accelerate's own FSDP2 save and load: saved by 2 processes, loaded
+    by 3 (uneven shards) and by 1, the model and the optimizer state are the ones saved, bitwise."""
+    saved = launch_probe("save", tmp_path, 2)
+    assert [record["world_size"] for record in saved] == [2, 2]
+    assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/__1_0.distcp"} <= set(saved[0]["files"])
+    for num_processes in (3, 1):
+        loaded = launch_probe("load", tmp_path, num_processes)
+        assert [record["world_size"] for record in loaded] == [num_processes] * num_processes
+        assert loaded[0]["model_as_saved"] and loaded[0]["optimizer_as_saved"]
+
+
+def test_fsdp2_on_machines_without_a_shared_output_dir_is_refused_at_start(tmp_path):
+    """The defect, reproduced: each process saving into a folder of its own (as machines with a disk each
+    would), the index of the shards (.metadata) is only in the main process's folder, each folder holds
+    its own shards alone, and no process can load its own. So the scripts refuse such a launch before
+    anything is written: two machines, each with its own --output_dir, both say why in one sentence."""
+    records = launch_probe("own_disks", tmp_path, 2)
+    assert records[0]["files"] == ["optimizer_0/.metadata", "optimizer_0/__0_0.distcp", "pytorch_model_fsdp_0/.metadata",
+                                   "pytorch_model_fsdp_0/__0_0.distcp"]
+    assert records[1]["files"] == ["optimizer_0/__1_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"]
+    assert all("No such file or directory" in record["own_folder_loads"] for record in records)
+
+    folders = [tmp_path / "machine_0", tmp_path / "machine_1"]
+    results = two_machines(tmp_path, [[PROBES / "fsdp2_checkpoints.py", "refuse", folder] for folder in folders])
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert [line for line in result.stderr.splitlines() if "error:" in line] == [
+            f"error: --output_dir {folders[0]} is not on a disk that every machine shares, which FSDP's sharded checkpoints need "
+            "(each machine would hold only its own shards): put --output_dir on a shared file system."]
+    assert not any(folder.exists() for folder in folders), "nothing is left behind"
 
 
 def test_the_in_memory_loader_moves_each_batch_to_the_accelerators_device():

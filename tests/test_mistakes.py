@@ -78,7 +78,8 @@ MISTAKES = {
     "value of the wrong type": (lambda p: cpu_gloo(p, "--batch_size", "abc"), "argument --batch_size: must be a whole number, got 'abc'"),
     "batch_size 0": (lambda p: cpu_gloo(p, "--batch_size", "0"), "argument --batch_size: must be at least 1, got 0"),
     "negative epochs": (lambda p: cpu_gloo(p, "--num_epochs", "-3"), "argument --num_epochs: must be at least 1, got -3"),
-    "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be greater than 0, got -0.1"),
+    "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got -0.1"),
+    "lr beyond float32": (lambda p: cpu_gloo(p, "--lr", "1e39"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e39"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
     "batch that does not split across the processes": (
@@ -205,6 +206,16 @@ def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(p
     assert job.returncode == 1 and stderr.splitlines() == [
         "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."]
     assert not [command for command in started if "cpu_gloo.py" in command], "no training process was started"
+
+
+def test_a_ddp_flag_under_fsdp_is_answered_in_one_sentence(place):
+    """fsdp.yaml's processes (ACCELERATE_USE_FSDP, which accelerate launch sets) have no DDP to shape."""
+    env = {**script_env(), "ACCELERATE_USE_FSDP": "true"}
+    for flag, value in (("--ddp_comm_hook", "fp16"), ("--ddp_bucket_cap_mb", "1")):
+        result = run(cpu_gloo(place, flag, value), cwd=place, check=False, env=env)
+        assert result.returncode == 1 and result.stderr.splitlines() == [
+            f"error: {flag} shapes DDP's gradient all-reduce, which FSDP (fsdp.yaml) does not use: leave it out, or launch with a DDP profile."]
+        assert not (place / "fresh").exists()
 
 
 def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):
