@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,10 @@ def main():
     # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
     # parameters) too; errors still show. A value you set wins.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # SLURM's early warning (`--signal=USR1@120`) reaches every process of the job step, this launcher too:
+    # torchrun (its --signals_to_handle) then shuts the run down, passing SIGUSR1 on, instead of dying of it
+    # (SIGUSR1's default) or, with --max_restarts, restarting the processes that stopped after saving.
+    args.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     try:
         launch_command(args)
     except ChildFailedError as error:
@@ -197,7 +202,7 @@ def main():
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
-        sys.exit(128 + error.sigval)
+        sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:
         fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")
 
