@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ LAUNCHES = {  # processes -> the README's command before the script
 
 
 def train(script, data_dir, output_dir, processes):
-    command = [sys.executable, str(REPO / "scripts" / script), "--output_dir", str(output_dir), "--overwrite_output_dir"]
+    shutil.rmtree(output_dir, ignore_errors=True)  # a run of an earlier measurement
+    command = [sys.executable, str(REPO / "scripts" / script), "--output_dir", str(output_dir)]
     if script != "toy_mlp.py":  # its rows are built in
         command += ["--data_dir", str(data_dir)]
     if processes > 1:
@@ -54,7 +56,8 @@ def main():
         for processes, launcher in LAUNCHES.items():
             output_dir = Path(args.output_dir) / f"{Path(script).stem}_{processes}proc"
             last, epochs, wall = train(script, args.data_dir, output_dir, processes)
-            print(f"| `{script}` | `{launcher}` | {last['world_size']} | {epochs} | {last['train_loss']:.4f} | {last['eval_loss']:.4f} "
+            eval_loss = f"{last['eval_loss']:.4f}" if "eval_loss" in last else "-"  # toy_mlp.py, the first rung, records none
+            print(f"| `{script}` | `{launcher}` | {last['world_size']} | {epochs} | {last['train_loss']:.4f} | {eval_loss} "
                   f"| {last['eval_accuracy']:.4f} | {last['eval_samples']} | {wall:.1f} |", flush=True)
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ difference to the plain DDP step of the same turn:
 - DDP step: the script's model in DDP (default buckets), its loss and optimizer, forward, backward, step;
 - + fixed gradient layout: the same on DDP(find_unused_parameters=True);
 - + stop check every step: the DDP step and accelerator.check_trigger() after it;
-- + stop check every 10 steps: as the scripts check (runtime.Preemption.CHECK_EVERY).
+- + stop check every 10 steps: as the scripts check (preemption.Preemption.CHECK_EVERY).
+Then what a checkpoint's integrity costs per GB: writing a file of --digest_mb MB of weights with
+safetensors, and its SHA-256 as shared/checkpoint_digests.py takes it, right after the write (the
+page cache still holds it) and read from the disk again; each process hashes only what it wrote.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,6 +76,36 @@ def step_costs(rank, world_size, script, steps, blocks, batch_size):
     return seconds
 
 
+def digest_cost(size_mb, repeats=3):
+    """Seconds per GB to write a file of size_mb MB of float32 weights, and to hash it with the page cache
+    warm and dropped (dropping needs root; None without): medians over repeats."""
+    from safetensors.torch import save_file
+
+    from shared.checkpoint_digests import _sha256
+
+    weights = {"weights": torch.randn(size_mb * 2**20 // 4)}
+    timings = {"write": [], "SHA-256, warm": [], "SHA-256, from disk": []}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.safetensors"
+        for _ in range(repeats):
+            started = time.perf_counter()
+            save_file(weights, path)
+            os.sync()
+            timings["write"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            _sha256(path)
+            timings["SHA-256, warm"].append(time.perf_counter() - started)
+            try:
+                Path("/proc/sys/vm/drop_caches").write_text("1")
+            except OSError:
+                continue
+            started = time.perf_counter()
+            _sha256(path)
+            timings["SHA-256, from disk"].append(time.perf_counter() - started)
+    gigabytes = size_mb / 1024
+    return {name: statistics.median(values) / gigabytes if values else None for name, values in timings.items()}, gigabytes
+
+
 def table(results):
     lines = ["| processes | " + " | ".join(f"{name}: us per step" for name in LOOPS) + " |", "|---" * (1 + len(LOOPS)) + "|"]
     for processes, seconds in results.items():
@@ -91,6 +125,7 @@ def main():
     parser.add_argument("--script", default="cpu_gloo.py", choices=["cpu_gloo.py", "seq_net.py", "mnist_conv.py"])
     parser.add_argument("--steps", type=int, default=100, help="steps in one block of one loop")
     parser.add_argument("--blocks", type=int, default=20, help="blocks of every loop, in rotating order")
+    parser.add_argument("--digest_mb", type=int, default=1024, help="size of the file the write and SHA-256 figures time")
     args = parser.parse_args()
     batch_size = baselines.script_defaults(args.script).batch_size
     results = {}
@@ -102,6 +137,10 @@ def main():
           f"{time.strftime('%Y-%m-%d')}; {args.script}'s net, batch {batch_size} split across the processes; "
           f"{args.blocks} blocks of {args.steps} steps.\n")
     print(table(results))
+    per_gb, size_gb = digest_cost(args.digest_mb)
+    print(f"\nA checkpoint's integrity, per GB (a {size_gb:.2f} GB file in the temporary folder's file system, medians of 3):\n")
+    print("| " + " | ".join(f"{name}: s per GB" for name in per_gb) + " |\n" + "|---" * len(per_gb) + "|")
+    print("| " + " | ".join("-" if value is None else f"{value:.2f}" for value in per_gb.values()) + " |")
 
 
 if __name__ == "__main__":
