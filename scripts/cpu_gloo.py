@@ -147,8 +147,9 @@ def main(argv=None):
         if start.path:  # none where `latest` finds no checkpoint yet: a new run
             with checkpoints.loading(start.path, accelerator, start):
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
-        log.continue_from(start)
-    early_stopping = EarlyStopping(log, patience=args.early_stopping_patience, target=args.early_stopping_target)
+            checkpoints.check_schedule_kept(scheduler, lr=args.lr, gamma=args.gamma)
+        log.continue_from(start)  # every process: the records of the epochs the checkpoint had finished
+    early_stopping = EarlyStopping(log, patience=args.early_stopping_patience, target=args.early_stopping_target)  # every process
     if args.with_tracking:
         accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
@@ -191,11 +192,12 @@ def main(argv=None):
             scheduler.step()
             trained = stats.summary()  # every process: the epoch's loss (stops a diverged run), samples/s, peak memory
 
+            # Every process: the main process writes the record, and a failed write stops all of them.
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator), {"step": step, "lr": scheduler.get_last_lr()[0]})
             accelerator.print(metrics_log.epoch_line(record, num_epochs))
             accelerator.log(tracking.scalars(record), step=epoch)
             if saved.due_after_epoch(stats.batches == len(train_loader)):
-                with saved.saving(epoch + 1, step) as folder:
+                with saved.saving(epoch + 1, step) as folder:  # every process
                     accelerator.save_state(folder)
             if reason := early_stopping.reason_to_stop(record):  # the same epoch on every process
                 accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")

@@ -211,6 +211,17 @@ def loading(path, accelerator, position=None):
                           f"{position.epoch}, {position.batches_done} batches in, step {position.global_step}.")
 
 
+def check_schedule_kept(scheduler, lr, gamma):
+    """After a resume's load_state: the checkpoint's optimizer and scheduler carry its run's learning rate
+    and decay on, so a --lr or --gamma other than that run's would do nothing; stop and say so."""
+    kept = scheduler.scheduler  # the StepLR inside accelerate's prepared scheduler
+    for flag, given, saved in (("--lr", lr, kept.base_lrs[0]), ("--gamma", gamma, kept.gamma)):
+        if given != saved:
+            raise UserError(f"{flag} {given} differs from the {saved} of the run this checkpoint comes from, which a resume keeps "
+                            f"(in the optimizer's and scheduler's state): resume with {flag} {saved}, or start a new run in another "
+                            "--output_dir.", every_process=True)
+
+
 def read_state(path):
     """A checkpoint folder's trainer_state.json, or a sentence saying why `path` is none."""
     if path.is_file():
