@@ -192,6 +192,9 @@ def main():
     # torchrun (its --signals_to_handle) then shuts the run down, passing SIGUSR1 on, instead of dying of it
     # (SIGUSR1's default) or, with --max_restarts, restarting the processes that stopped after saving.
     args.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    # torchrun's wait between passing a signal on and killing: up to 10 steps and a checkpoint's save must
+    # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
+    args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
     try:
         launch_command(args)
     except ChildFailedError as error:

@@ -124,9 +124,10 @@ def main(argv=None):
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
-    # shared), then the rest read the files. A failure on any process stops every one with its sentence.
+    # shared), then the rest read the files, downloading nothing. A failure stops every process with its sentence.
     with accelerator.main_process_first(), accelerator.local_main_process_first(), stop_together.FailureCaught() as loading:
-        train_set, test_set = mnist_data.load(DATA_SET, args.data_dir, source=args.dataset_source, hub_name=args.dataset_name,
+        train_set, test_set = mnist_data.load(DATA_SET, args.data_dir, download=accelerator.is_local_main_process,
+                                              source=args.dataset_source, hub_name=args.dataset_name,
                                               pipeline=args.data_pipeline)
     loading.raise_everywhere()  # every process
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
@@ -174,9 +175,9 @@ def main(argv=None):
         if start.path:  # none where `latest` finds no checkpoint yet: a new run
             with checkpoints.loading(start.path, accelerator, start):
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
-            checkpoints.check_schedule_kept(scheduler, lr=args.lr, gamma=args.gamma)
+            checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
         log.continue_from(start)  # every process: the records of the epochs the checkpoint had finished
-    early_stopping = EarlyStopping(log, patience=args.early_stopping_patience, target=args.early_stopping_target)  # every process
+    early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
     if args.with_tracking:
         accelerator.init_trackers("mnist_conv", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
@@ -202,7 +203,8 @@ def main(argv=None):
                 profiler.step()  # --profile: one more step of its window
                 if accelerator.sync_gradients:  # an optimizer step happened
                     step += 1
-                    stopping = preemption.stop_agreed(step)  # every process
+                    # Every process; at the last step the run finishes instead (its model, not a checkpoint to resume).
+                    stopping = preemption.stop_agreed(step) and step != args.max_train_steps
                     if stopping or saved.due(step):
                         with saved.saving(epoch, step, stats) as folder:  # every process; renamed once complete
                             accelerator.save_state(folder)
@@ -220,7 +222,7 @@ def main(argv=None):
             if saved.due_after_epoch(stats.batches == len(train_loader)):
                 with saved.saving(epoch + 1, step) as folder:  # every process
                     accelerator.save_state(folder)
-            if reason := early_stopping.reason_to_stop(record):  # the same epoch on every process
+            if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
                 accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
                 break
 

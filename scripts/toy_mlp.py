@@ -136,7 +136,7 @@ def main(argv=None):
         loss_sum, rows = accelerator.reduce(torch.stack([loss_sum, loss_sum.new_tensor(rows)]), reduction="sum").tolist()
         if not math.isfinite(loss_sum):  # the same sum on every process: all stop, before any model file is written
             raise UserError(f"Training diverged in epoch {epoch}: the loss is {loss_sum}. The learning rate is likely too high: "
-                            "lower --lr and train again.", every_process=True)
+                            "lower --lr and train again in a new --output_dir.", every_process=True)
         record = {"epoch": epoch, "train_loss": loss_sum / rows, **evaluate(model, train_eval_loader, accelerator, "train_eval"),
                   **evaluate(model, test_loader, accelerator, "eval"), "world_size": accelerator.num_processes}
         accelerator.print(f"epoch {epoch}/{args.num_epochs}  train_loss {record['train_loss']:.4f}  train accuracy "

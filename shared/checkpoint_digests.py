@@ -23,13 +23,13 @@ def record(accelerator, folder):
     """Every process must call this: the digests of the files of this machine's copy of `folder`, by
     their path relative to it, for the process that writes its state file."""
     mine = {name: _sha256(folder / name) for name in _files(folder) if _hashed_here(accelerator, name)}
-    machine = accelerator.process_index - accelerator.local_process_index  # its first process's rank
-    return {name: digest for where, theirs in gather_object([(machine, mine)]) if where == machine for name, digest in theirs.items()}
+    return {name: digest for theirs in _of_this_copy(accelerator, mine) for name, digest in theirs.items()}
 
 
 def damage(accelerator, folder):
-    """Every process must call this: what differs in `folder` (this machine's copy) from the digests its
-    state file recorded, the same sentence part on every process (the first file found), or None."""
+    """Every process must call this: what differs in `folder` from the digests its state file recorded
+    (the first file found, the same sentence part on every process, or None), and whether this
+    machine's copy is among the damaged ones."""
     try:
         recorded = json.loads((folder / STATE_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError) as error:
@@ -42,7 +42,31 @@ def damage(accelerator, folder):
                     found = found or f"{name} is missing"
                 elif _sha256(folder / name) != digest:
                     found = found or f"{name} differs from what was saved"
-    return next((reason for reason in gather_object([found]) if reason), None)
+    everyone = gather_object([(_copy_of(accelerator), found)])
+    return next((reason for _, reason in everyone if reason), None), any(reason for copy, reason in everyone if copy == _copy_of(accelerator))
+
+
+def intact_here(folder):
+    """Whether every file a checkpoint's state file recorded is here as saved, read by this process
+    alone: for the rare checkpoint of the same step found in the way of a new save."""
+    try:
+        recorded = json.loads((folder / STATE_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((folder / name).is_file() and _sha256(folder / name) == digest for name, digest in recorded.items())
+
+
+def _copy_of(accelerator):
+    """Which copy of a checkpoint this process's files are in: the one copy on a shared disk, else its
+    machine's (by the machine's first rank, as torchrun numbers processes machine by machine)."""
+    if not accelerator.project_configuration.save_on_each_node:
+        return 0
+    return accelerator.process_index - accelerator.local_process_index
+
+
+def _of_this_copy(accelerator, mine):
+    """Every process's `mine` gathered, and those of the processes whose files are in this process's copy."""
+    return [theirs for copy, theirs in gather_object([(_copy_of(accelerator), mine)]) if copy == _copy_of(accelerator)]
 
 
 def _hashed_here(accelerator, name):

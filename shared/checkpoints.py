@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from shared import checkpoint_digests, stop_together
 from shared.errors import UserError, first_line
+from shared.metrics_log import read_records
 from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in, writes_here
 
 
@@ -93,7 +94,9 @@ class Checkpoints:
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
             "num_epochs": self.num_epochs, "files": digests}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)  # the same step, saved by a run that this one resumed from an earlier step
+        aside = final.with_name(f"damaged_{final.name}")
+        if final.exists():  # the same step, saved by a run this one resumed from before it: a damaged one is kept aside
+            final.rename(aside) if not (aside.exists() or checkpoint_digests.intact_here(final)) else shutil.rmtree(final)
         partial.rename(final)
         if self.keep:
             for old in checkpoints_in(self.folder)[:-self.keep]:
@@ -122,8 +125,9 @@ class Checkpoints:
                             "or pass --overwrite_output_dir instead of --resume_from_checkpoint.")
 
     def _check_not_finished(self, state, max_train_steps):
-        records = (self.output_dir / METRICS_FILE).read_text().splitlines() if (self.output_dir / METRICS_FILE).exists() else []
-        last = json.loads(records[-1]) if records else {"step": 0, "epoch": 0}
+        if not (self.output_dir / MODEL_FILE).exists():  # killed before it saved its model: the resume finishes the run
+            return
+        last = (read_records(self.output_dir) or [{"step": 0, "epoch": 0}])[-1]
         if max_train_steps and max(state["global_step"], last["step"]) >= max_train_steps:
             raise UserError(f"The run in {self.output_dir} already trained {max(state['global_step'], last['step'])} steps: pass a "
                             "larger --max_train_steps to train further, or start a new run in another --output_dir.")
@@ -156,7 +160,7 @@ def first_intact(accelerator, output_dir, spec):
                                           if spec == "latest" else [str(spec)] if read_state(Path(spec)) else [])
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
-        reason = checkpoint_digests.damage(accelerator, path)
+        reason, damaged_here = checkpoint_digests.damage(accelerator, path)
         if reason is None:
             return path
         if spec != "latest":
@@ -164,8 +168,8 @@ def first_intact(accelerator, output_dir, spec):
                             "or from 'latest', which skips damaged ones.", every_process=True)
         accelerator.print(f"Skipping damaged checkpoint {path} ({reason}); trying the one before it.")
         accelerator.wait_for_everyone()  # every process has read it
-        if writes_here(accelerator) and not path.with_name(f"damaged_{path.name}").exists():
-            path.rename(path.with_name(f"damaged_{path.name}"))
+        if writes_here(accelerator) and damaged_here and not path.with_name(f"damaged_{path.name}").exists():
+            path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
     return None
 
 
@@ -174,16 +178,20 @@ def weights_to_evaluate(accelerator, spec, output_dir):
     checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir."""
     if not spec:
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
-    if spec != "latest" and Path(spec).is_file():
+    if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
         return Path(spec)
     checkpoint = first_intact(accelerator, output_dir, spec)
     if spec != "latest":
         return checkpoint
-    found = [path for path in (checkpoint, Path(output_dir) / MODEL_FILE) if path is not None and path.exists()]
-    if not found:
-        raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
-                        "of a run, or a path.", every_process=True)
-    return max(found, key=lambda path: path.stat().st_mtime)
+    model_file = Path(output_dir) / MODEL_FILE  # on every machine, where each has a disk of its own
+
+    def newest():
+        found = [path for path in (checkpoint, model_file) if path is not None and path.exists()]
+        if not found:
+            raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
+                            "of a run, or a path.")
+        return max(found, key=lambda path: path.stat().st_mtime) == model_file
+    return model_file if stop_together.on_main_process(accelerator, newest) else checkpoint
 
 
 def load_model_file(accelerator, model, path):
@@ -211,15 +219,18 @@ def loading(path, accelerator, position=None):
                           f"{position.epoch}, {position.batches_done} batches in, step {position.global_step}.")
 
 
-def check_schedule_kept(scheduler, lr, gamma):
-    """After a resume's load_state: the checkpoint's optimizer and scheduler carry its run's learning rate
-    and decay on, so a --lr or --gamma other than that run's would do nothing; stop and say so."""
-    kept = scheduler.scheduler  # the StepLR inside accelerate's prepared scheduler
-    for flag, given, saved in (("--lr", lr, kept.base_lrs[0]), ("--gamma", gamma, kept.gamma)):
-        if given != saved:
-            raise UserError(f"{flag} {given} differs from the {saved} of the run this checkpoint comes from, which a resume keeps "
-                            f"(in the optimizer's and scheduler's state): resume with {flag} {saved}, or start a new run in another "
-                            "--output_dir.", every_process=True)
+def apply_flags_schedule(accelerator, scheduler, lr, gamma):
+    """After a resume's load_state, which brings back the checkpoint run's learning rate and decay (in
+    the optimizer's and scheduler's state): those of --lr and --gamma from here on where they differ, so
+    that a resume can lower a learning rate that diverged. The same flags leave the resume bitwise."""
+    step_lr = scheduler.scheduler  # the StepLR inside accelerate's prepared scheduler
+    if (step_lr.base_lrs[0], step_lr.gamma) == (lr, gamma):
+        return
+    accelerator.print(f"--lr {lr} and --gamma {gamma} replace the {step_lr.base_lrs[0]} and {step_lr.gamma} of the run this checkpoint "
+                      "comes from.")
+    step_lr.base_lrs, step_lr.gamma = [lr] * len(step_lr.base_lrs), gamma
+    for group in step_lr.optimizer.param_groups:  # StepLR's rate after the epochs done
+        group["initial_lr"], group["lr"] = lr, lr * gamma ** (step_lr.last_epoch // step_lr.step_size)
 
 
 def read_state(path):

@@ -1,25 +1,32 @@
 """--early_stopping_patience and --early_stopping_target: stop training after the epoch that settles it.
 
-Every process decides for itself from the epoch's evaluation, which gather_for_metrics makes the
-same numbers on every process, so all stop after the same epoch without a collective. A resumed run
-starts from the epochs metrics.jsonl kept, so it remembers how long its eval loss has not improved.
+The main process decides, from the epoch's evaluation and the epochs metrics.jsonl already holds (a
+resumed run remembers how long its eval loss has not improved), and tells the others: every process
+then stops after the same epoch, even where their float sums of the same numbers differ in the last bit.
 """
 
 from accelerate.utils import broadcast_object_list
 
+from shared.metrics_log import read_records
+
 
 class EarlyStopping:
     """`patience`: stop when eval_loss has not improved on its best for that many epochs; `target`: stop
-    after the first epoch whose eval_accuracy reaches it (time to accuracy, as MLPerf measures it).
-    Every process must build it: it takes the main process's records of a resumed run (`metrics_log`)."""
+    after the first epoch whose eval_accuracy reaches it (time to accuracy, as MLPerf measures it)."""
 
-    def __init__(self, metrics_log, *, patience, target):
-        self.patience, self.target = patience, target
-        (self.history,) = broadcast_object_list([metrics_log.records()])
+    def __init__(self, accelerator, output_dir, *, patience, target):
+        self.accelerator, self.patience, self.target = accelerator, patience, target
+        self.history = read_records(output_dir) if accelerator.is_main_process else []  # a resumed run's epochs
 
     def reason_to_stop(self, record):
-        """After an epoch's evaluation: why every process stops now, or None."""
+        """Every process must call this after an epoch's evaluation (one broadcast, when on): why all stop now, or None."""
+        if self.patience is None and self.target is None:
+            return None
         self.history.append(record)
+        (reason,) = broadcast_object_list([self._reason(record) if self.accelerator.is_main_process else None])
+        return reason
+
+    def _reason(self, record):
         if self.target is not None and record["eval_accuracy"] >= self.target:
             return f"eval_accuracy {record['eval_accuracy']:.4f} reached --early_stopping_target {self.target}"
         best = min(self.history, key=lambda earlier: earlier["eval_loss"])

@@ -44,8 +44,9 @@ class EpochStats:
             fp16 = ", or --mixed_precision fp16 overflowed (bf16 has fp32's range)" if self.accelerator.mixed_precision == "fp16" else ""
             raise UserError(
                 f"Training diverged in epoch {self.epoch}: the loss summed over its steps is {loss_sum} and {int(nonfinite)} weights "
-                f"are not finite. The learning rate is likely too high{fp16}: lower --lr, and resume with --resume_from_checkpoint "
-                "latest if the run saved checkpoints (none of them holds such weights), or train again.", every_process=True)
+                f"are not finite. The learning rate is likely too high{fp16}: lower --lr (or --gamma), and resume with "
+                "--resume_from_checkpoint latest if the run saved checkpoints (none of them holds such weights), or train again.",
+                every_process=True)
         return (loss_sum, samples), time.perf_counter() - self.started
 
     def summary(self):

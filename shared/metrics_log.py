@@ -5,6 +5,7 @@ import json
 import time
 
 from shared import stop_together
+from shared.errors import UserError
 from shared.run_folder import EVAL_FILE, METRICS_FILE
 
 
@@ -35,17 +36,26 @@ class MetricsLog:
         drops any later ones, and counts elapsed_s on from the checkpoint's."""
         self.started = time.perf_counter() - position.elapsed_s
         if self.accelerator.is_main_process and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["epoch"] < position.epoch]
+            kept = [record for record in read_records(self.path.parent) if record["epoch"] < position.epoch]
             partial = self.path.with_name(self.path.name + ".tmp")
-            partial.write_text("".join(line + "\n" for line in kept))
+            partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
             partial.replace(self.path)
         self.accelerator.wait_for_everyone()
 
-    def records(self):
-        """The records written so far (on the main process; none on the others)."""
-        if not (self.accelerator.is_main_process and self.path.exists()):
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+def read_records(output_dir):
+    """The records of output_dir's metrics.jsonl, one per epoch (none without the file); a last line that
+    a killed run's write cut short is left out."""
+    path = output_dir / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.") from None
+    return records
 
 
 def epoch_line(record, num_epochs):

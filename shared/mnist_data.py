@@ -19,12 +19,13 @@ RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-
 PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 
 
-def load(name, data_dir, *, source, hub_name, pipeline, normalize=True):
+def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True):
     """The training and test sets of `name`, from --dataset_source `source` (torchvision's download, or
-    `hub_name` on the Hub). For --data_pipeline memory, TensorDatasets of every image decoded and normalized
-    at once, by the operations ToTensor and Normalize apply one at a time (so bitwise the same values);
-    for torchvision, data sets that apply them per sample, as the tutorials do. ToTensor scales pixels
-    to [0, 1] and Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
+    `hub_name` on the Hub), downloaded where they are not there if `download`, else only read. For
+    --data_pipeline memory, TensorDatasets of every image decoded and normalized at once, by the
+    operations ToTensor and Normalize apply one at a time (so bitwise the same values); for torchvision,
+    data sets that apply them per sample, as the tutorials do. ToTensor scales pixels to [0, 1] and
+    Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
     stats = PIXEL_STATS[name] if normalize else None
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, "
@@ -32,11 +33,11 @@ def load(name, data_dir, *, source, hub_name, pipeline, normalize=True):
     transform = _per_sample_transform(stats) if pipeline == "torchvision" else None
     raw_folder = Path(data_dir) / name / "raw"
     if source == "hub":
-        splits = _from_hub(hub_name, data_dir, transform)
+        splits = _from_hub(hub_name, data_dir, transform, download)
     elif pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
         splits = tuple(_read_raw(name, raw_folder, train) for train in (True, False))
     else:
-        splits = tuple(_download(name, data_dir, train, transform) for train in (True, False))
+        splits = tuple(_download(name, data_dir, train, transform, download) for train in (True, False))
     return splits if pipeline == "torchvision" else tuple(as_tensors(split, stats) for split in splits)
 
 
@@ -62,12 +63,13 @@ class ArrayDataset(torch.utils.data.Dataset):
         return self.transform(self.data[index].numpy()), int(self.targets[index])
 
 
-def _from_hub(hub_name, data_dir, transform):
+def _from_hub(hub_name, data_dir, transform, download):
     """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
     import datasets as hub  # only this path needs it
 
     try:
-        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
+        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"),
+                                  download_config=hub.DownloadConfig(local_files_only=not download))
         return tuple(
             ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
                          np.asarray(splits[split]["label"]), transform)
@@ -113,8 +115,8 @@ def _read_idx(path):
     return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
 
 
-def _download(name, data_dir, train, transform):
-    """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there."""
+def _download(name, data_dir, train, transform, download):
+    """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there (if `download`)."""
     raw_folder = Path(data_dir) / name / "raw"
     for folder in (Path(data_dir), raw_folder.parent, raw_folder):  # torchvision creates them before it downloads
         if not folder.exists():
@@ -122,7 +124,7 @@ def _download(name, data_dir, train, transform):
     from torchvision import datasets
 
     try:
-        return getattr(datasets, name)(data_dir, train=train, download=True, transform=transform)
+        return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except RuntimeError as error:
         if "download" in str(error).lower():
             name_flag = "" if name == "MNIST" else f" --name {name}"

@@ -9,9 +9,9 @@ second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is w
 
 A process blocked in a collective that never completes (a peer gone or stuck) never runs Python's
 signal handlers, which wait for the main thread. A thread of its own wakes at the signal instead
-(Python's C-level handler writes the signal's number to the wakeup fd even then) and, when no
-optimizer step has finished for GRACE_S seconds and no stop was agreed, ends the process with one
-line, inside torchrun's 30 s between passing SIGTERM on and killing.
+(Python's C-level handler writes the signal's number to the wakeup fd even then) and, when the main
+thread has stood at the same line for GRACE_S seconds since (evaluating or saving, it moves on; blocked
+in C, it does not) and no stop was agreed, ends the process with one line, before torchrun kills it.
 """
 
 import signal
@@ -27,13 +27,12 @@ class Preemption:
     """With `enabled` (checkpointing on), SIGTERM and SIGUSR1 mark this process instead of ending it."""
 
     CHECK_EVERY = 10
-    GRACE_S = 20
+    GRACE_S = 30  # inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing
 
     def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
         self.enabled = enabled
         self.agreed = False
-        self.last_progress = time.monotonic()
         if enabled:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
@@ -45,16 +44,19 @@ class Preemption:
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
         steps it is a collective, accelerator.check_trigger()."""
-        self.last_progress = time.monotonic()
         self.agreed = self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
         return self.agreed
 
     def _end_if_stuck(self, reader, writer):  # writer: kept open as long as the thread lives
         while reader.recv(1)[0] not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             pass
-        signalled = time.monotonic()
+        main, where, since = threading.main_thread().ident, None, time.monotonic()
         while not self.agreed:
-            if time.monotonic() - max(signalled, self.last_progress) > self.GRACE_S:
+            frame = sys._current_frames().get(main)
+            here = (frame.f_code, frame.f_lineno) if frame else None
+            if here != where:  # the main thread moved on
+                where, since = here, time.monotonic()
+            elif time.monotonic() - since > self.GRACE_S:
                 print(f"[rank {self.accelerator.process_index}] stopped: {self.GRACE_S} s after a signal to stop, this process "
                       "was still waiting on another, so it could not save a checkpoint; the newest complete one stays "
                       "'latest'.", file=sys.stderr, flush=True)

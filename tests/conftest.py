@@ -39,6 +39,7 @@ sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TESTS))
 
 from synthetic_digits import write_small_mnist  # noqa: E402
+from shared.metrics_log import read_records  # noqa: E402
 from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
 
 TIMEOUT = 300
@@ -195,7 +196,7 @@ def data_flags(script, data_dir):
 
 
 def read_metrics(output_dir):
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return read_records(Path(output_dir))
 
 
 def latest_checkpoint(folder):

@@ -251,6 +251,13 @@ def test_a_diverged_run_stops_in_one_sentence_and_keeps_its_finite_checkpoints(n
     assert not list((output_dir / "checkpoints").glob(".tmp_*")) and not (output_dir / "model.safetensors").exists()
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(output_dir)] == [(1, num_processes)]
 
+    # As the sentence advises: resumed from `latest` with the decay fixed, the run goes on with it and ends.
+    resumed = run(training_command(num_processes, "--output_dir", output_dir, "--data_dir", small_data, "--batch_size", "8",
+                                   "--num_epochs", "3", "--checkpointing_steps", "10", "--gamma", "1", "--log_interval", "1000",
+                                   "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert "--lr 0.01 and --gamma 1.0 replace the 0.01 and 1e+40 of the run this checkpoint comes from." in resumed.stdout
+    assert [(r["epoch"], r["lr"]) for r in read_metrics(output_dir)] == [(1, 0.01), (2, 0.01), (3, 0.01)]  # from step 60, in epoch 1
+
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_first_rung_stops_a_diverged_run_too(num_processes, tmp_path):
@@ -259,7 +266,8 @@ def test_the_first_rung_stops_a_diverged_run_too(num_processes, tmp_path):
     result = run(command, cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [
-        "error: Training diverged in epoch 2: the loss is nan. The learning rate is likely too high: lower --lr and train again."]
+        "error: Training diverged in epoch 2: the loss is nan. The learning rate is likely too high: lower --lr and train again in a "
+        "new --output_dir."]
     assert not (tmp_path / "run" / "model.safetensors").exists()
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "run")] == [(1, num_processes)]  # its loss was finite
 

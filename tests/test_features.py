@@ -144,6 +144,20 @@ def test_checkpoint_names_pruning_and_latest(data_dir, tmp_path):
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_00000080", "step_00000090"]
 
 
+def test_a_record_cut_short_by_a_kill_is_left_out_and_the_run_resumes(small_data, tmp_path):
+    """A run killed while it appended a record leaves half a line at the end of metrics.jsonl; the resume
+    leaves it out, trains that epoch again and ends as the run that never stopped."""
+    flags = ["--data_dir", small_data, "--batch_size", "64", "--num_epochs", "3", "--checkpointing_steps", "epoch"]
+    whole, _ = train("cpu_gloo.py", tmp_path, "whole", *flags)
+    cut = tmp_path / "cut"
+    resume_from(whole, "step_00000016", cut)  # after epoch 2, with its two records
+    with (cut / "metrics.jsonl").open("a") as file:
+        file.write('{"epoch": 3, "train_lo')
+    train("cpu_gloo.py", tmp_path, "cut", *flags, "--resume_from_checkpoint", "latest")
+    assert_same_weights(weights(whole), weights(cut))
+    assert_same_records(read_metrics(whole), read_metrics(cut), rel=1e-6)
+
+
 def test_epoch_checkpoints(data_dir, tmp_path):
     run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "epoch")
     states = [json.loads((path / "trainer_state.json").read_text()) for path in sorted((run_dir / "checkpoints").iterdir())]

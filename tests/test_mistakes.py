@@ -126,9 +126,6 @@ MISTAKES = {
     "restarts asked of a launch without torchrun": (lambda p: launch("--config_file", p / "one_process.yaml", "--max_restarts", "1",
                                                                     SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
                                                      "--max_restarts needs torchrun, which a one-process launch without --multi_gpu"),
-    "another learning rate for a resume, which keeps the checkpoint's": (
-        lambda p: cpu_gloo(p, "--num_epochs", "3", "--lr", "0.5", "--resume_from_checkpoint", "latest", output="earlier"),
-        "--lr 0.5 differs from the 0.01 of the run this checkpoint comes from, which a resume keeps"),
     "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
                                    "already finished 2 epochs: pass a larger --num_epochs"),
     "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),

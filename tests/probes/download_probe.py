@@ -21,10 +21,12 @@ def main():
     data_file = folder / "data.txt"
     record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes}
 
-    def load():
+    def load(download):
         started = time.time()
         downloaded = not data_file.exists()
         if downloaded:
+            if not download:
+                raise UserError(f"{data_file} is not there.")
             if offline:
                 raise UserError(f"{data_file} could not be downloaded: connect to the internet.")
             time.sleep(1)  # a slow download: the others must wait for it, not start their own
@@ -33,7 +35,7 @@ def main():
 
     try:
         with accelerator.main_process_first(), accelerator.local_main_process_first(), FailureCaught() as loading:
-            record.update(load())
+            record.update(load(download=accelerator.is_local_main_process))
         loading.raise_everywhere()
     except UserError as error:  # every rank must get here, none may crash waiting
         record["error"] = str(error)
