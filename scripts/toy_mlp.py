@@ -138,7 +138,8 @@ def main(argv=None):
             raise UserError(f"Training diverged in epoch {epoch}: the loss is {loss_sum}. The learning rate is likely too high: "
                             "lower --lr and train again in a new --output_dir.", every_process=True)
         record = {"epoch": epoch, "train_loss": loss_sum / rows, **evaluate(model, train_eval_loader, accelerator, "train_eval"),
-                  **evaluate(model, test_loader, accelerator, "eval"), "world_size": accelerator.num_processes}
+                  **evaluate(model, test_loader, accelerator, "eval"), "world_size": accelerator.num_processes,
+                  "device": str(accelerator.device)}
         accelerator.print(f"epoch {epoch}/{args.num_epochs}  train_loss {record['train_loss']:.4f}  train accuracy "
                           f"{record['train_eval_accuracy']:.2f}  test accuracy {record['eval_accuracy']:.2f}  world_size {record['world_size']}")
         if accelerator.is_main_process:  # one process writes the record

