@@ -125,14 +125,14 @@ class Checkpoints:
                             "or pass --overwrite_output_dir instead of --resume_from_checkpoint.")
 
     def _check_not_finished(self, state, max_train_steps):
-        if not (self.output_dir / MODEL_FILE).exists():  # killed before it saved its model: the resume finishes the run
-            return
-        last = (read_records(self.output_dir) or [{"step": 0, "epoch": 0}])[-1]
+        # A run killed before it saved its model resumes to finish it, whatever its records say it reached.
+        saved_model = (self.output_dir / MODEL_FILE).exists()
+        last = ((read_records(self.output_dir) if saved_model else []) or [{"step": 0, "epoch": 0}])[-1]
         if max_train_steps and max(state["global_step"], last["step"]) >= max_train_steps:
             raise UserError(f"The run in {self.output_dir} already trained {max(state['global_step'], last['step'])} steps: pass a "
                             "larger --max_train_steps to train further, or start a new run in another --output_dir.")
         finished = max(state["epoch"] - 1, last["epoch"])
-        if not max_train_steps and finished >= self.num_epochs:
+        if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "
                             "to train further, or start a new run in another --output_dir.")
 

@@ -158,6 +158,20 @@ def test_a_record_cut_short_by_a_kill_is_left_out_and_the_run_resumes(small_data
     assert_same_records(read_metrics(whole), read_metrics(cut), rel=1e-6)
 
 
+def test_a_run_killed_while_it_saved_its_model_resumes_to_save_it(small_data, tmp_path):
+    """All its epochs recorded and checkpointed, but no model.safetensors (killed in the final save, as
+    torchrun's kill after a late signal can): `latest` finishes the run instead of saying it is done."""
+    flags = ["--data_dir", small_data, "--batch_size", "64", "--num_epochs", "2", "--checkpointing_steps", "epoch"]
+    whole, _ = train("cpu_gloo.py", tmp_path, "whole", *flags)
+    killed = tmp_path / "killed"
+    shutil.copytree(whole, killed)
+    (killed / "model.safetensors").unlink()
+    _, result = train("cpu_gloo.py", tmp_path, "killed", *flags, "--resume_from_checkpoint", "latest")
+    assert "Resumed from" in result.stdout and f"Saved the trained model to {killed / 'model.safetensors'}" in result.stdout
+    assert_same_weights(weights(whole), weights(killed))
+    assert_same_records(read_metrics(whole), read_metrics(killed))
+
+
 def test_epoch_checkpoints(data_dir, tmp_path):
     run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "epoch")
     states = [json.loads((path / "trainer_state.json").read_text()) for path in sorted((run_dir / "checkpoints").iterdir())]
