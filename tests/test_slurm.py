@@ -126,8 +126,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
     # steps (here the launcher and its training processes), not to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True)
-    while job_state(job_id, slurm) != ("COMPLETED", 1):
-        state = job_state(job_id, slurm)
+    while (state := job_state(job_id, slurm)) != ("COMPLETED", 1):
         assert time.monotonic() < deadline + 120 and state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
             (state, (tmp_path / f"job-{job_id}.out").read_text()[-3000:])
         time.sleep(0.5)
