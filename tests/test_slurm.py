@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("slurm")  # one cluster for the module, on 
 
 SLURM_CONF = """\
 ClusterName=templates
-SlurmctldHost={host}
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort=16817
 SlurmdPort=16818
 SlurmUser=root
