@@ -30,18 +30,7 @@ def damage(accelerator, folder):
     """Every process must call this: what differs in `folder` from the digests its state file recorded
     (the first file found, the same sentence part on every process, or None), and whether this
     machine's copy is among the damaged ones."""
-    try:
-        recorded = json.loads((folder / STATE_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
-        found = f"its {STATE_FILE} cannot be read: {error}"
-    else:
-        found = None
-        for name, digest in recorded.items():
-            if _hashed_here(accelerator, name):
-                if not (folder / name).is_file():
-                    found = found or f"{name} is missing"
-                elif _sha256(folder / name) != digest:
-                    found = found or f"{name} differs from what was saved"
+    found = _damage(folder, lambda name: _hashed_here(accelerator, name))
     everyone = gather_object([(_copy_of(accelerator), found)])
     return next((reason for _, reason in everyone if reason), None), any(reason for copy, reason in everyone if copy == _copy_of(accelerator))
 
@@ -49,11 +38,23 @@ def damage(accelerator, folder):
 def intact_here(folder):
     """Whether every file a checkpoint's state file recorded is here as saved, read by this process
     alone: for the rare checkpoint of the same step found in the way of a new save."""
+    return _damage(folder, lambda name: True) is None
+
+
+def _damage(folder, checks):
+    """The first of the files recorded in folder's state file that `checks` (by name) and that is missing
+    or differs from its digest, in a sentence part; None when all are as saved."""
     try:
         recorded = json.loads((folder / STATE_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return all((folder / name).is_file() and _sha256(folder / name) == digest for name, digest in recorded.items())
+    except (OSError, ValueError, KeyError) as error:
+        return f"its {STATE_FILE} cannot be read: {error}"
+    for name, digest in recorded.items():
+        if checks(name):
+            if not (folder / name).is_file():
+                return f"{name} is missing"
+            if _sha256(folder / name) != digest:
+                return f"{name} differs from what was saved"
+    return None
 
 
 def _copy_of(accelerator):
