@@ -140,6 +140,25 @@ def how_it_ended(exitcode):
     return f"exited with code {exitcode}"
 
 
+def pass_stop_signals_on():
+    """accelerate's one-process launcher (1gpu.yaml, --num_processes 1) waits on its training process
+    but does not handle signals: SIGTERM (Kubernetes, scancel) ended the launcher at once, leaving the
+    process orphaned, to train on or be killed before it could save. Here the launcher passes SIGTERM
+    and SIGUSR1 (SLURM's --signal, which reaches it too) on to its processes and waits for them, as
+    torchrun does; torchrun's own handlers replace these where it starts the processes."""
+    def pass_on(signum, frame):
+        children = [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+        if not children:  # none started yet: the signal's own default, ending this launcher
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        for pid in children:
+            os.kill(pid, signum)
+
+    if Path("/proc/self/task").is_dir():  # Linux
+        for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(stop_signal, pass_on)
+
+
 def use_a_fresh_rendezvous_for_every_restart(args, setting):
     """The profiles' static rendezvous and torchrun's shared c10d store both keep one store for the
     whole job, where a restarted process reads the gloo address of a process that died and fails to
@@ -195,13 +214,14 @@ def main():
     # torchrun's wait between passing a signal on and killing: up to 10 steps and a checkpoint's save must
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
     args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
+    pass_stop_signals_on()
     try:
         launch_command(args)
     except ChildFailedError as error:
         rank, failure = cause_of_failure(error.failures, torchrun_log.stopped_by_torchrun)
         stopped(f"rank {rank} {how_it_ended(failure.exitcode)}", failure.exitcode)
     except subprocess.CalledProcessError as error:  # the one-process launcher
-        stopped(f"the process exited with code {error.returncode}", error.returncode)
+        stopped(f"the process {how_it_ended(error.returncode)}", error.returncode)
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where

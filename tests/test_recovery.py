@@ -108,15 +108,28 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
 
 
-def test_one_process_saves_on_sigterm_too(small_data, tmp_path):
-    args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "epoch"]
-    stopped = tmp_path / "stopped"
-    job = start(python_command("cpu_gloo.py", "--output_dir", stopped, *args), tmp_path)
-    wait_until(epochs_done(stopped), job, "its first epoch")
-    job.send_signal(signal.SIGTERM)
+@pytest.mark.parametrize("how", ["python", "launcher", "slurm"])
+def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
+    """One process started by python, or by the one-process launcher (accelerate's simple launcher, as
+    1gpu.yaml uses), signalled as Kubernetes does (SIGTERM to the launcher alone) or as SLURM's --signal
+    does (SIGUSR1 to the launcher and the process): it saves a checkpoint inside epoch 2 or later,
+    exits 143, and no training process is left behind."""
+    args = ["--data_dir", small_data, "--output_dir", tmp_path / "stopped", "--batch_size", "8", "--num_epochs", "200",
+            "--checkpointing_steps", "epoch"]
+    command = (python_command("cpu_gloo.py", *args) if how == "python"
+               else [sys.executable, SCRIPTS / "launch.py", "--cpu", "--num_processes", 1, SCRIPTS / "cpu_gloo.py", *args])
+    job = start(command, tmp_path)
+    wait_until(epochs_done(tmp_path / "stopped"), job, "its first epoch")
+    if how == "slurm":
+        training = psutil.Process(job.pid).children()[0]
+        assert "cpu_gloo.py" in " ".join(training.cmdline())
+        training.send_signal(signal.SIGUSR1)
+    job.send_signal(signal.SIGUSR1 if how == "slurm" else signal.SIGTERM)
     _, stderr = finish(job, GRACE_S)
-    assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr
-    assert latest_checkpoint(stopped / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
+    assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr, stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "stopped" / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
+    left = [process for process in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(process.info["cmdline"] or [])]
+    assert not left, f"still running after the launcher exited: {left}"
 
 
 def test_without_checkpointing_a_signal_stops_the_run_at_once(small_data, tmp_path):
