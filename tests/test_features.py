@@ -2,7 +2,6 @@
 gradient accumulation, the scheduler, tracking, plots, Hub data, torch.compile and multi-node."""
 
 import json
-import os
 import shutil
 import sqlite3
 import sys
@@ -11,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, TOOLS, checkpoints_in, data_flags, free_port, launch_command, python, python_command, read_metrics, run, script_env, two_machines
+from conftest import SCRIPTS, TOOLS, checkpoints_in, data_flags, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -436,34 +435,3 @@ def test_two_machines_train_as_one_group_with_a_disk_each_and_resume_together(da
     for folder in resumed:
         assert_same_weights(weights(single), weights(folder))
     assert_same_records(read_metrics(single), read_metrics(resumed[0]), rel=1e-6)
-
-
-def slurm_stand_ins(tmp_path, job_id, script, **settings):
-    """The environment of the batch script under stand-ins for srun and scontrol, for what one machine's
-    real Slurm cannot show (tests/test_slurm.py runs it under a real one): two nodes. The stand-in srun
-    runs its command once per "node" on this machine, with that node's SLURM_NODEID, and fails if any
-    fails; scontrol names the two nodes. It assumes nothing of how a real srun handles signals."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho 127.0.0.1\necho 127.0.0.2\n')
-    (bin_dir / "srun").write_text(
-        '#!/bin/bash\nshift\npids=()\nfor id in 0 1; do SLURM_NODEID=$id "$@" & pids+=($!); done\n'
-        'status=0\nfor pid in "${pids[@]}"; do wait "$pid" || status=$?; done\nexit $status\n'
-    )
-    for stub in bin_dir.iterdir():
-        stub.chmod(0o755)
-    env = script_env()
-    # `python` in the batch script: the fork client (named python) where the test allows it
-    env.update(PATH=f"{bin_dir}:{os.path.dirname(python())}:{os.path.dirname(sys.executable)}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-2]",
-               SLURM_NNODES="2", SLURM_JOB_ID=str(job_id), CONFIG=str(CONFIGS / "cpu.yaml"), GPUS_PER_NODE="1",
-               MAIN_PORT=str(free_port()), SCRIPT=str(SCRIPTS / script), LAUNCHER=str(SCRIPTS / "launch.py"), **settings)
-    return env
-
-
-def test_slurm_script_starts_one_launch_per_node(tmp_path):
-    write_small_mnist(tmp_path / "data", "MNIST", num_train=64, num_test=64)
-    env = slurm_stand_ins(tmp_path, 4242, "cpu_gloo.py")
-    run(["bash", REPO / "slurm" / "train_2node.sbatch", "--data_dir", tmp_path / "data", "--num_epochs", "2"], cwd=tmp_path, env=env)
-    records = read_metrics(tmp_path / "runs" / "slurm-4242")
-    assert [r["world_size"] for r in records] == [2, 2]
-    assert (tmp_path / "runs" / "slurm-4242" / "checkpoints" / "step_00000002").is_dir()  # 64 samples in steps of 64: 1 an epoch

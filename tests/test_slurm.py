@@ -1,11 +1,11 @@
-"""slurm/train_2node.sbatch under a real Slurm: Debian's slurm-wlm, one node on this machine (munged,
-slurmctld and slurmd started here, in a folder of their own, on ports of their own). The job's early
-warning, as Slurm's `--signal=USR1@120` delivers it at its time, saves a checkpoint at the step the
-run reached; the job requeues itself, starts again with the same job id, and ends bitwise where a run
-that was never stopped ends. Without Slurm the test skips and says how to get it (.ci/run installs it).
-
-Two nodes need two machines: tests/test_features.py runs the batch script's two launches with a
-stand-in for srun and scontrol instead."""
+"""slurm/train_2node.sbatch under a real Slurm: Debian's slurm-wlm with two nodes on this machine,
+each slurmd in network, host-name and mount namespaces of its own (its address on a bridge, its
+name, its spool folder and an /etc/hosts that names both nodes), slurmctld and munged beside them on
+ports of their own. The batch script's srun starts one launcher per node; they meet at the first
+node and train as one group. The job's early warning, as Slurm's `--signal=USR1@120` delivers it at
+its time, saves a checkpoint at the step the run reached; the job requeues itself, starts again with
+the same job id, and ends bitwise where a run that was never stopped ends. Without Slurm, or where
+namespaces are not permitted, the test skips and says why (.ci/run installs Slurm)."""
 
 import os
 import shutil
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.xdist_group("slurm")  # one cluster for the module, on 
 
 SLURM_CONF = """\
 ClusterName=templates
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({controller})
 SlurmctldPort=16817
 SlurmdPort=16818
 SlurmUser=root
@@ -42,17 +43,19 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 StateSaveLocation={folder}/state
-SlurmdSpoolDir={folder}/spool
 SlurmctldPidFile={folder}/slurmctld.pid
-SlurmdPidFile={folder}/slurmd.pid
 SlurmctldLogFile={folder}/slurmctld.log
-SlurmdLogFile={folder}/slurmd.log
+# {folder}/node is each node's own folder, mounted there in its mount namespace.
+SlurmdSpoolDir={folder}/node/spool
+SlurmdPidFile={folder}/node/slurmd.pid
+SlurmdLogFile={folder}/node/slurmd.log
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MailProg=/bin/true
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+SUBNET = "10.214.0"  # the controller at .1 on the bridge, the nodes at .2 and .3 (tests/test_recovery.py's hosts use 10.213.0)
 
 
 def munge_works():
@@ -61,47 +64,81 @@ def munge_works():
 
 @pytest.fixture(scope="module")
 def slurm():
-    """A one-node Slurm on this machine; the environment its commands need (SLURM_CONF)."""
-    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun") if not shutil.which(tool)]
+    """A two-node Slurm on this machine; the environment its commands need (SLURM_CONF)."""
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "ip", "nsenter", "unshare") if not shutil.which(tool)]
     if missing:
-        pytest.skip(f"needs Slurm and munge ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
+        pytest.skip(f"needs Slurm, munge and util-linux ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
+    tag = uuid.uuid4().hex[:6]
+    bridge, nodes = f"br{tag}", [(f"slurm{tag}{n}", f"node{n}", f"{SUBNET}.{n + 1}") for n in (1, 2)]  # namespace, name, address
+
+    def ip(*args, namespace=None):
+        return subprocess.run([*(["ip", "netns", "exec", namespace] if namespace else []), "ip", *args], capture_output=True, text=True)
+
+    if (made := ip("link", "add", bridge, "type", "bridge")).returncode:
+        pytest.skip(f"network namespaces and bridges are not permitted here ({made.stderr.strip()})")
     folder = Path(tempfile.mkdtemp(prefix="slurm-"))
-    host = socket.gethostname().split(".")[0]  # what `hostname -s` says, as slurmd looks itself up
-    (folder / "slurm.conf").write_text(SLURM_CONF.format(host=host, folder=folder, cpus=os.cpu_count()))
-    (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # no cgroups are used (proctrack/linuxproc)
-    for sub in ("state", "spool"):
-        (folder / sub).mkdir()
-    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
     started = []
-    if not munge_works():
-        Path("/run/munge").mkdir(exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        started.append(subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "-F"], start_new_session=True))
-        time.sleep(1)
-    for daemon in ("slurmctld", "slurmd"):
-        started.append(subprocess.Popen([daemon, "-D", "-f", folder / "slurm.conf"], env=env, start_new_session=True,
+    try:
+        ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for namespace, _, address in nodes:  # a veth pair from the bridge into the node's namespace
+            ip("netns", "add", namespace)
+            ip("link", "add", f"v{namespace}", "type", "veth", "peer", "name", f"b{namespace}")
+            ip("link", "set", f"b{namespace}", "master", bridge)
+            ip("link", "set", f"b{namespace}", "up")
+            ip("link", "set", f"v{namespace}", "netns", namespace)
+            ip("addr", "add", f"{address}/24", "dev", f"v{namespace}", namespace=namespace)
+            for device in (f"v{namespace}", "lo"):
+                ip("link", "set", device, "up", namespace=namespace)
+        host = socket.gethostname().split(".")[0]  # what `hostname -s` says, as slurmctld looks itself up
+        (folder / "slurm.conf").write_text(SLURM_CONF.format(
+            host=host, controller=f"{SUBNET}.1", folder=folder, nodes="\n".join(
+                f"NodeName={name} NodeAddr={address} CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN" for _, name, address in nodes)))
+        (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # no cgroups are used (proctrack/linuxproc)
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET}.1 {host}\n" + "".join(f"{address} {name}\n" for _, name, address in nodes))
+        for sub in ("state", "node", *(f"{name}/spool" for _, name, _ in nodes)):
+            (folder / sub).mkdir(parents=True)
+        env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+        if not munge_works():
+            Path("/run/munge").mkdir(exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            started.append(subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "-F"], start_new_session=True))
+            time.sleep(1)
+        started.append(subprocess.Popen(["slurmctld", "-D", "-f", folder / "slurm.conf"], env=env, start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(1)
-    deadline = time.monotonic() + 60
-    while subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip() != "idle":
-        if time.monotonic() > deadline or any(process.poll() is not None for process in started):
-            logs = "".join((folder / log).read_text()[-1500:] for log in ("slurmctld.log", "slurmd.log") if (folder / log).exists())
-            for process in started:
-                process.kill()
-            pytest.skip(f"Slurm did not start on this machine:\n{logs}")
-        time.sleep(0.5)
-    yield env
-    subprocess.run(["scancel", "--full", "--user", "root"], env=env)
-    for process in reversed(started):
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    shutil.rmtree(folder, ignore_errors=True)
+        for namespace, name, _ in nodes:  # its jobs run in its namespaces too: its name, address and /etc/hosts
+            node = (f"hostname {name} && mount --bind {folder / 'hosts'} /etc/hosts && mount --bind {folder / name} {folder / 'node'} "
+                    f"&& exec slurmd -D -f {folder / 'slurm.conf'}")
+            started.append(subprocess.Popen(["nsenter", f"--net=/run/netns/{namespace}", "unshare", "--uts", "--mount",
+                                             "--propagation", "private", "sh", "-c", node], env=env, start_new_session=True,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while subprocess.run(["sinfo", "-h", "-o", "%T %D"], env=env, capture_output=True, text=True).stdout.strip() != "idle 2":
+            if time.monotonic() > deadline or any(process.poll() is not None for process in started):
+                logs = "".join(log.read_text()[-1500:] for log in folder.rglob("*.log"))
+                pytest.skip(f"Slurm did not start on this machine:\n{logs}")
+            time.sleep(0.5)
+        yield env
+        subprocess.run(["scancel", "--full", "--user", "root"], env=env)
+    finally:
+        for process in reversed(started):
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+        for namespace, _, _ in nodes:
+            ip("netns", "del", namespace)  # and the veth pair with it
+        ip("link", "del", bridge)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def job_fields(job_id, env):
+    """The job's fields, from scontrol, read at once (its state may move on between two reads)."""
+    return dict(field.split("=", 1) for field in subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, check=True).stdout.split() if "=" in field)
 
 
 def job_state(job_id, env):
-    """The job's state and restart count, from scontrol."""
-    fields = dict(field.split("=", 1) for field in subprocess.run(
-        ["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, check=True).stdout.split() if "=" in field)
+    """The job's state and restart count."""
+    fields = job_fields(job_id, env)
     return fields["JobState"], int(fields["Restarts"])
 
 
@@ -111,10 +148,10 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
     env = {**new_interpreter_env(), **slurm, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "2", "SCRIPT": str(SCRIPTS / "cpu_gloo.py"),
+           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(SCRIPTS / "cpu_gloo.py"),
            "LAUNCHER": str(SCRIPTS / "launch.py")}
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={os.cpu_count()}", "--gpus-per-node=0", f"--chdir={tmp_path}",
+        ["sbatch", "--parsable", "--nodes=2", f"--cpus-per-task={os.cpu_count()}", "--gpus-per-node=0", f"--chdir={tmp_path}",
          f"--output={tmp_path}/job-%j.out", REPO / "slurm" / "train_2node.sbatch", *map(str, flags)],
         env=env, capture_output=True, text=True, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
@@ -124,7 +161,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
         assert time.monotonic() < deadline and job_state(job_id, slurm)[0] in ("PENDING", "RUNNING"), job_state(job_id, slurm)
         time.sleep(0.2)
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
-    # steps (here the launcher and its training processes), not to the batch shell.
+    # steps (here each node's launcher and its training process), not to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True)
     while (state := job_state(job_id, slurm)) != ("COMPLETED", 1):
         assert time.monotonic() < deadline + 120 and state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
@@ -136,8 +173,10 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     assert len(saved) == 1, log[-3000:]
     checkpoint = saved[0].split("saved ")[1].split(" after")[0]
     assert "requeueing the job, which resumes from it" in log
-    (resumed,) = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
-    assert int(resumed.split(", ")[1].split()[0]) > 0, "saved at the step reached, inside an epoch, not at an epoch's end"
+    resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
+    assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"
+    assert int(resumed[0].split(", ")[1].split()[0]) > 0, "saved at the step reached, inside an epoch, not at an epoch's end"
+    assert job_fields(job_id, slurm)["NodeList"] == "node[1-2]"
 
     reference = tmp_path / "never_stopped"
     run(launch_command("cpu_gloo.py", "--output_dir", reference, *flags, "--checkpointing_steps", "epoch", num_processes=2), cwd=tmp_path)
