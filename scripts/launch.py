@@ -11,7 +11,9 @@ With --max_restarts, every restart gets a rendezvous store of its own (one machi
 Then it runs accelerate's own launcher in this process. A training process that fails has already
 printed its one-sentence error, so torchrun's report and traceback and the processes' C++ warnings
 are left out; a process killed from outside gets one line saying which rank stopped, and with
---max_restarts each restart gets one line. Exits 1 on failure.
+--max_restarts each restart gets one line. SIGTERM and SIGUSR1 (a cluster's warning) reach the
+training processes, which save and stop, also where accelerate runs one process without torchrun.
+Exits 1 on failure, 143 after a stop that saved.
 """
 
 import importlib.util
