@@ -26,7 +26,9 @@ import sys
 from pathlib import Path
 
 from accelerate.commands.config.config_args import load_config_from_file
+import accelerate.commands.launch as accelerate_launch
 from accelerate.commands.launch import launch_command, launch_command_parser
+from accelerate.utils import prepare_simple_launcher_cmd_env
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -142,23 +144,27 @@ def how_it_ended(exitcode):
     return f"exited with code {exitcode}"
 
 
-def pass_stop_signals_on():
-    """accelerate's one-process launcher (1gpu.yaml, --num_processes 1) waits on its training process
-    but does not handle signals: SIGTERM (Kubernetes, scancel) ended the launcher at once, leaving the
-    process orphaned, to train on or be killed before it could save. Here the launcher passes SIGTERM
-    and SIGUSR1 (SLURM's --signal, which reaches it too) on to its processes and waits for them, as
-    torchrun does; torchrun's own handlers replace these where it starts the processes."""
-    def pass_on(signum, frame):
-        children = [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
-        if not children:  # none started yet: the signal's own default, ending this launcher
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        for pid in children:
-            os.kill(pid, signum)
+def one_process_launcher(args):
+    """accelerate's simple_launcher, which runs one process without torchrun (1gpu.yaml, --num_processes
+    1), but passing SIGTERM (Kubernetes, scancel) and SIGUSR1 (SLURM's --signal, which reaches this
+    launcher too) on to the process and waiting for it to save and stop, as torchrun does. accelerate's
+    own handles no signal: SIGTERM ended the launcher at once, leaving the process orphaned, to train on
+    or be killed before it could save."""
+    command, env = prepare_simple_launcher_cmd_env(args)
+    process = subprocess.Popen(command, env=env)
+    passed_on = []
 
-    if Path("/proc/self/task").is_dir():  # Linux
-        for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(stop_signal, pass_on)
+    def pass_on(signum, frame):
+        passed_on.append(signum)
+        process.send_signal(signum)  # nothing, once the process has ended
+
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, pass_on)
+    process.wait()
+    if process.returncode < 0 and -process.returncode in passed_on:  # it stopped at once: nothing to save (no checkpointing)
+        raise SignalException(f"the process was stopped by signal {-process.returncode}", signal.Signals(-process.returncode))
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
 
 
 def use_a_fresh_rendezvous_for_every_restart(args, setting):
@@ -216,7 +222,7 @@ def main():
     # torchrun's wait between passing a signal on and killing: up to 10 steps and a checkpoint's save must
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
     args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
-    pass_stop_signals_on()
+    accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
     try:
         launch_command(args)
     except ChildFailedError as error:

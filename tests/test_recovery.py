@@ -31,6 +31,11 @@ def launch(*args, num_processes=2, launcher_flags=()):
             *launcher_flags, SCRIPTS / "cpu_gloo.py", *args]
 
 
+def launch_one_process(*args):
+    """python scripts/launch.py --cpu --num_processes 1 cpu_gloo.py ...: accelerate's one-process launcher, as 1gpu.yaml's."""
+    return [sys.executable, SCRIPTS / "launch.py", "--cpu", "--num_processes", 1, SCRIPTS / "cpu_gloo.py", *args]
+
+
 def start(command, cwd):
     return subprocess.Popen([str(part) for part in command], cwd=cwd, env=script_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -116,9 +121,7 @@ def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
     exits 143, and no training process is left behind."""
     args = ["--data_dir", small_data, "--output_dir", tmp_path / "stopped", "--batch_size", "8", "--num_epochs", "200",
             "--checkpointing_steps", "epoch"]
-    command = (python_command("cpu_gloo.py", *args) if how == "python"
-               else [sys.executable, SCRIPTS / "launch.py", "--cpu", "--num_processes", 1, SCRIPTS / "cpu_gloo.py", *args])
-    job = start(command, tmp_path)
+    job = start(python_command("cpu_gloo.py", *args) if how == "python" else launch_one_process(*args), tmp_path)
     wait_until(epochs_done(tmp_path / "stopped"), job, "its first epoch")
     if how == "slurm":
         training = psutil.Process(job.pid).children()[0]
@@ -128,16 +131,25 @@ def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
     _, stderr = finish(job, GRACE_S)
     assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr, stderr[-2000:]
     assert latest_checkpoint(tmp_path / "stopped" / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
+    assert_no_process_left(tmp_path)
+
+
+def assert_no_process_left(tmp_path):
     left = [process for process in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(process.info["cmdline"] or [])]
     assert not left, f"still running after the launcher exited: {left}"
 
 
-def test_without_checkpointing_a_signal_stops_the_run_at_once(small_data, tmp_path):
-    job = start(launch("--output_dir", tmp_path / "run", "--data_dir", small_data, *FLAGS), tmp_path)
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, small_data, tmp_path):
+    """SIGTERM to the launcher, torchrun's (2 processes) or the one-process one: every process stops,
+    nothing is saved, and the launcher exits 143."""
+    args = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200"]
+    job = start(launch_one_process(*args) if num_processes == 1 else launch(*args), tmp_path)
     wait_until(epochs_done(tmp_path / "run"), job, "its first epoch")
     os.kill(job.pid, signal.SIGTERM)
-    finish(job, GRACE_S)
-    assert job.returncode != 0 and not (tmp_path / "run" / "checkpoints").exists()
+    _, stderr = finish(job, GRACE_S)
+    assert job.returncode == 143 and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
+    assert_no_process_left(tmp_path)
 
 
 # -- elastic restarts ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ its time, saves a checkpoint at the step the run reached; the job requeues itsel
 the same job id, and ends bitwise where a run that was never stopped ends. Without Slurm, or where
 namespaces are not permitted, the test skips and says why (.ci/run installs Slurm)."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -62,23 +64,42 @@ def munge_works():
     return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
 
 
+def ip(*args, namespace=None, setting_up=True):
+    """Run `ip`; a failure while setting up skips the tests with its reason."""
+    done = subprocess.run([*(["ip", "netns", "exec", namespace] if namespace else []), "ip", *args], capture_output=True, text=True)
+    if done.returncode and setting_up:
+        pytest.skip(f"the nodes' network could not be made here (`ip {' '.join(args)}`: {done.stderr.strip()})")
+    return done
+
+
+def stop(process):
+    """End a daemon's process group, started with start_new_session, and reap it."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 @pytest.fixture(scope="module")
 def slurm():
-    """A two-node Slurm on this machine; the environment its commands need (SLURM_CONF)."""
+    """A two-node Slurm on this machine: the environment its commands need (SLURM_CONF) and its folder."""
     missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "ip", "nsenter", "unshare") if not shutil.which(tool)]
     if missing:
         pytest.skip(f"needs Slurm, munge and util-linux ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
+    if ip("-4", "-o", "addr", "show", "to", f"{SUBNET}.0/24").stdout.strip():
+        pytest.skip(f"{SUBNET}.0/24 is already in use on this machine")
     tag = uuid.uuid4().hex[:6]
     bridge, nodes = f"br{tag}", [(f"slurm{tag}{n}", f"node{n}", f"{SUBNET}.{n + 1}") for n in (1, 2)]  # namespace, name, address
-
-    def ip(*args, namespace=None):
-        return subprocess.run([*(["ip", "netns", "exec", namespace] if namespace else []), "ip", *args], capture_output=True, text=True)
-
-    if (made := ip("link", "add", bridge, "type", "bridge")).returncode:
-        pytest.skip(f"network namespaces and bridges are not permitted here ({made.stderr.strip()})")
     folder = Path(tempfile.mkdtemp(prefix="slurm-"))
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
     started = []
     try:
+        ip("link", "add", bridge, "type", "bridge")
         ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
         ip("link", "set", bridge, "up")
         for namespace, _, address in nodes:  # a veth pair from the bridge into the node's namespace
@@ -98,7 +119,6 @@ def slurm():
         (folder / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET}.1 {host}\n" + "".join(f"{address} {name}\n" for _, name, address in nodes))
         for sub in ("state", "node", *(f"{name}/spool" for _, name, _ in nodes)):
             (folder / sub).mkdir(parents=True)
-        env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
         if not munge_works():
             Path("/run/munge").mkdir(exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
@@ -118,15 +138,25 @@ def slurm():
                 logs = "".join(log.read_text()[-1500:] for log in folder.rglob("*.log"))
                 pytest.skip(f"Slurm did not start on this machine:\n{logs}")
             time.sleep(0.5)
-        yield env
-        subprocess.run(["scancel", "--full", "--user", "root"], env=env)
+        # The nodes reach the controller; whether they reach each other (a host whose firewall filters
+        # bridged traffic would not let them), node 1 asks node 2's slurmd.
+        reach = f"import socket; socket.create_connection(('{nodes[1][2]}', 16818), timeout=5)"
+        if subprocess.run(["nsenter", f"--net=/run/netns/{nodes[0][0]}", sys.executable, "-c", reach], capture_output=True).returncode:
+            pytest.skip("the nodes' namespaces cannot reach each other over the bridge here (bridged traffic filtered)")
+        yield types.SimpleNamespace(env=env, folder=folder)
     finally:
+        subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True)
+        deadline = time.monotonic() + 30  # the jobs' processes end before their daemons
+        while subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
         for process in reversed(started):
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
+            stop(process)
         for namespace, _, _ in nodes:
-            ip("netns", "del", namespace)  # and the veth pair with it
-        ip("link", "del", bridge)
+            for pid in ip("netns", "pids", namespace, setting_up=False).stdout.split():  # a job step's processes, if any outlived it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            ip("netns", "del", namespace, setting_up=False)  # and the veth pair with it
+        ip("link", "del", bridge, setting_up=False)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -147,7 +177,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
-    env = {**new_interpreter_env(), **slurm, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    env = {**new_interpreter_env(), **slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(SCRIPTS / "cpu_gloo.py"),
            "LAUNCHER": str(SCRIPTS / "launch.py")}
     submitted = subprocess.run(
@@ -158,12 +188,12 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
     deadline = time.monotonic() + 180
     while not ((output_dir / "metrics.jsonl").exists() and read_metrics(output_dir)):
-        assert time.monotonic() < deadline and job_state(job_id, slurm)[0] in ("PENDING", "RUNNING"), job_state(job_id, slurm)
+        assert time.monotonic() < deadline and job_state(job_id, slurm.env)[0] in ("PENDING", "RUNNING"), job_state(job_id, slurm.env)
         time.sleep(0.2)
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
     # steps (here each node's launcher and its training process), not to the batch shell.
-    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True)
-    while (state := job_state(job_id, slurm)) != ("COMPLETED", 1):
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env, check=True)
+    while (state := job_state(job_id, slurm.env)) != ("COMPLETED", 1):
         assert time.monotonic() < deadline + 120 and state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
             (state, (tmp_path / f"job-{job_id}.out").read_text()[-3000:])
         time.sleep(0.5)
@@ -176,7 +206,9 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
     assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"
     assert int(resumed[0].split(", ")[1].split()[0]) > 0, "saved at the step reached, inside an epoch, not at an epoch's end"
-    assert job_fields(job_id, slurm)["NodeList"] == "node[1-2]"
+    assert job_fields(job_id, slurm.env)["NodeList"] == "node[1-2]"
+    for node in ("node1", "node2"):  # each node's slurmd started a task of the job's step: its launcher
+        assert f"launch task StepId={job_id}.0 " in (slurm.folder / node / "slurmd.log").read_text(), node
 
     reference = tmp_path / "never_stopped"
     run(launch_command("cpu_gloo.py", "--output_dir", reference, *flags, "--checkpointing_steps", "epoch", num_processes=2), cwd=tmp_path)
