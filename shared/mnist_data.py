@@ -128,8 +128,9 @@ def _download(name, data_dir, train, transform, download):
     except RuntimeError as error:
         if "download" in str(error).lower():
             name_flag = "" if name == "MNIST" else f" --name {name}"
+            why = str(error).strip().splitlines()[-1]  # torchvision's first line names the file, its last says why
             raise UserError(
-                f"{name} is not in {raw_folder} and could not be downloaded ({first_line(error)}): connect to the internet, "
+                f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
                 f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
                 f"with `python tools/offline_mnist.py --data_dir {data_dir}{name_flag}`."
             ) from None

@@ -69,9 +69,10 @@ def prepare(accelerator, output_dir, *, overwrite, resuming):
 def _take(output_dir, replace, resuming):
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
-    if not output_dir.exists():
-        output_dir.mkdir(parents=True)
-        remove_if_run_fails(output_dir)
+    for folder in [*reversed(output_dir.parents), output_dir]:  # outermost first: a failed run removes the innermost first
+        if not folder.exists():
+            folder.mkdir()
+            remove_if_run_fails(folder)
     hold(output_dir)
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if earlier and not resuming and not replace:

@@ -88,7 +88,7 @@ MISTAKES = {
         "--batch_size 64 does not split evenly across 3 processes: pass a multiple of 3, or --no_split_batches"),
     "checkpointing_steps that is no number": (lambda p: cpu_gloo(p, "--checkpointing_steps", "often"),
                                               "argument --checkpointing_steps: must be a whole number, got 'often'"),
-    "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
+    "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh" / "run"),
                                                "could not be downloaded"),
     "offline, the way to real digits without a network": (
         lambda p: python_command("seq_net.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
@@ -109,7 +109,7 @@ MISTAKES = {
                             "could not be read"),
     # With several processes only the main process reads first; the others must stop with it, not crash.
     "data folder without the files, offline, cpu.yaml as is (4 processes)": (
-        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh" / "run"),
         "could not be downloaded"),
     "truncated data file, 2 processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py",
@@ -155,7 +155,7 @@ def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     assert text in sentence
     assert ": " in sentence and sentence.endswith("."), "what went wrong, then what to do"
     assert snapshot(place) == before, "the earlier runs' files are unchanged"
-    assert not (place / "fresh").exists() and not (place / "empty").exists(), "no empty folder left behind"
+    assert not (place / "fresh").exists() and not (place / "empty").exists(), "no empty folder left behind, nor its parent"
 
 
 def test_the_advice_for_a_folder_holding_a_run_names_only_what_works(place):
