@@ -146,23 +146,24 @@ def how_it_ended(exitcode):
 
 def one_process_launcher(args):
     """accelerate's simple_launcher, which runs one process without torchrun (1gpu.yaml, --num_processes
-    1), but passing SIGTERM (Kubernetes, scancel) and SIGUSR1 (SLURM's --signal, which reaches this
-    launcher too) on to the process and waiting for it to save and stop, as torchrun does. accelerate's
-    own handles no signal: SIGTERM ended the launcher at once, leaving the process orphaned, to train on
-    or be killed before it could save."""
+    1), but handling signals as torchrun does: the process runs in a session of its own, and SIGTERM
+    (Kubernetes, scancel), SIGUSR1 (SLURM's --signal) and SIGINT (Ctrl-C) to this launcher are passed
+    on to it, which saves (with checkpointing) and stops. accelerate's own handles none: SIGTERM ended
+    the launcher at once, leaving the process orphaned, to train on or be killed before it could save."""
     command, env = prepare_simple_launcher_cmd_env(args)
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     passed_on = []
 
     def pass_on(signum, frame):
         passed_on.append(signum)
         process.send_signal(signum)  # nothing, once the process has ended
 
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(stop_signal, pass_on)
     process.wait()
-    if process.returncode < 0 and -process.returncode in passed_on:  # it stopped at once: nothing to save (no checkpointing)
-        raise SignalException(f"the process was stopped by signal {-process.returncode}", signal.Signals(-process.returncode))
+    # Stopped by the signal, or after the save it asked for: the launcher exits as under torchrun.
+    if passed_on and process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE):
+        raise SignalException(f"the process stopped on signal {passed_on[-1]}", signal.Signals(passed_on[-1]))
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command)
 
