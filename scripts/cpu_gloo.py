@@ -54,7 +54,8 @@ def parse_args(argv=None):
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator):
-    """Loss and accuracy over the whole test set, each sample counted once, the same on every process."""
+    """Every process must call this (it gathers): loss and accuracy over the whole test set, each sample
+    counted once, the same on every process."""
     for buffer in model.buffers():  # BatchNorm's running statistics, which each process updated on its own batches:
         broadcast(buffer)  # the main process's, the ones saved, so that every process evaluates the same model
     model.eval()
@@ -94,7 +95,7 @@ def main(argv=None):
     agreement.check(accelerator, vars(args))
     # Every process: refuses an --output_dir that holds an earlier run or a live one, before anything is written.
     output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
-                                                 resuming=bool(args.resume_from_checkpoint) or args.eval_only)
+                                                 resuming=run_folder.resumes_here(args.resume_from_checkpoint, args.output_dir) or args.eval_only)
     accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
 
     # --batch_size samples per step, split across the processes: any world size trains the same model.
@@ -127,7 +128,7 @@ def main(argv=None):
         else:
             with checkpoints.loading(weights, accelerator):
                 accelerator.load_state(weights)
-        metrics_log.report_eval(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)
+        metrics_log.report_eval(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
         accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
         accelerator.end_training()
         return

@@ -82,7 +82,7 @@ def parse_args(argv=None):
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator, prefix):
-    """Accuracy over all of loader's rows, each counted once, the same on every process."""
+    """Every process must call this (it gathers): accuracy over all of loader's rows, each counted once."""
     model.eval()
     correct = total = 0
     for features, labels in loader:

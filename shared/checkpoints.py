@@ -106,7 +106,9 @@ class Checkpoints:
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
         folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
         `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
-        epochs but no intact checkpoint, or has finished, stops with a sentence."""
+        epochs but no intact checkpoint, or has finished, stops with a sentence. The run's checkpoints
+        after the one resumed are set aside as abandoned_step_N, never deleted: `latest` then finds this
+        run's own newest, and pruning never takes one of its own for one of theirs."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._nothing_to_resume)
@@ -114,6 +116,14 @@ class Checkpoints:
             return Position()
         state = json.loads((path / STATE_FILE).read_text())
         stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(state, max_train_steps))
+        if self.writes_folder and path.parent.resolve() == self.folder.resolve():
+            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint.name > path.name]:
+                aside = later.with_name(f"abandoned_{later.name}")
+                if aside.exists():  # from an earlier branch
+                    aside = aside.with_name(f"{aside.name}_{time.time_ns()}")
+                later.rename(aside)
+                self.accelerator.print(f"Set aside {later}, saved after the checkpoint resumed, as {aside.name}.")
+        self.accelerator.wait_for_everyone()
         self.started = time.perf_counter() - state["elapsed_s"]
         return Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                         tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
@@ -135,6 +145,10 @@ class Checkpoints:
         if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "
                             "to train further, or start a new run in another --output_dir.")
+        trained_into = state["epoch"] if state["batches_done"] else state["epoch"] - 1
+        if not max_train_steps and trained_into > self.num_epochs:  # else its weights would be saved as the model, unevaluated
+            raise UserError(f"The checkpoint to resume has trained into epoch {trained_into}, past the --num_epochs {self.num_epochs} "
+                            f"asked for now: pass --num_epochs {trained_into} or more, or resume from an earlier checkpoint.")
 
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the

@@ -5,7 +5,7 @@ import json
 import time
 
 from shared import stop_together
-from shared.errors import UserError
+from shared.errors import UserError, first_line
 from shared.run_folder import EVAL_FILE, METRICS_FILE
 
 
@@ -35,12 +35,18 @@ class MetricsLog:
         """Every process must call this, for a resumed run: keeps the epochs the checkpoint had finished,
         drops any later ones, and counts elapsed_s on from the checkpoint's."""
         self.started = time.perf_counter() - position.elapsed_s
-        if self.accelerator.is_main_process and self.path.exists():
-            kept = [record for record in read_records(self.path.parent) if record["epoch"] < position.epoch]
-            partial = self.path.with_name(self.path.name + ".tmp")
+        stop_together.on_main_process(self.accelerator, lambda: self._keep_epochs_before(position.epoch))
+
+    def _keep_epochs_before(self, epoch):
+        if not self.path.exists():
+            return
+        kept = [record for record in read_records(self.path.parent) if record["epoch"] < epoch]
+        partial = self.path.with_name(self.path.name + ".tmp")
+        try:
             partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
             partial.replace(self.path)
-        self.accelerator.wait_for_everyone()
+        except OSError as error:
+            raise UserError(f"Could not write {self.path} ({first_line(error)}): free space or fix the folder, then resume again.") from None
 
 
 def read_records(output_dir):
@@ -67,7 +73,8 @@ def epoch_line(record, num_epochs):
 
 
 def report_eval(result, source, accelerator, output_dir):
-    """--eval_only: print the weights' accuracy and per-class accuracy, and save them as eval.json."""
+    """Every process must call this, though the main process alone writes (a failed write stops all of
+    them): --eval_only's accuracy and per-class accuracy of the weights, printed and saved as eval.json."""
     result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
     accelerator.print(
         f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
@@ -75,5 +82,6 @@ def report_eval(result, source, accelerator, output_dir):
     )
     for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
         accelerator.print(f"  class {label}: {accuracy:.4f}")
-    if accelerator.is_main_process:
-        (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=1))
+    with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
+        if accelerator.is_main_process:
+            (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=1))

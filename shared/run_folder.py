@@ -34,6 +34,16 @@ def checkpoints_in(folder):
     return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
 
 
+def resumes_here(spec, output_dir):
+    """Whether --resume_from_checkpoint `spec` continues the run in output_dir: `latest`, one of its
+    checkpoints, or no folder at all (which the resume then names); another run's checkpoint starts a
+    new run there instead, which may not write over the one it holds."""
+    if spec is None:
+        return False
+    path = Path(spec)
+    return spec == "latest" or not path.is_dir() or path.resolve().parent == (Path(output_dir) / CHECKPOINT_FOLDER).resolve()
+
+
 def writes_here(accelerator):
     """Whether this process writes what one process writes (a checkpoint's state, the model): the main
     process, and with a disk per machine (accelerate's save_on_each_node) each machine's first."""

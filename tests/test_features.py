@@ -171,6 +171,23 @@ def test_a_run_killed_while_it_saved_its_model_resumes_to_save_it(small_data, tm
     assert_same_records(read_metrics(whole), read_metrics(killed))
 
 
+def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_data, tmp_path):
+    """Resumed from an earlier checkpoint of its folder, the run branches there: the later checkpoints
+    of the run it left are set aside (abandoned_step_N, kept), so that `latest` and pruning go by the
+    new branch's own; it ends as the run that never stopped."""
+    flags = ["--data_dir", small_data, "--batch_size", "64", "--num_epochs", "3", "--checkpointing_steps", "epoch"]
+    whole, _ = train("cpu_gloo.py", tmp_path, "whole", *flags)
+    branch = tmp_path / "branch"
+    shutil.copytree(whole, branch)
+    (branch / "model.safetensors").unlink()
+    _, result = train("cpu_gloo.py", tmp_path, "branch", *flags, "--resume_from_checkpoint", branch / "checkpoints" / "step_00000008")
+    assert f"Set aside {branch / 'checkpoints' / 'step_00000016'}, saved after the checkpoint resumed, as abandoned_step_00000016." in result.stdout
+    assert sorted(path.name for path in (branch / "checkpoints").iterdir()) == [
+        "abandoned_step_00000016", "abandoned_step_00000024", "step_00000008", "step_00000016", "step_00000024"]
+    assert_same_weights(weights(whole), weights(branch))
+    assert_same_records(read_metrics(whole), read_metrics(branch), rel=1e-6)
+
+
 def test_epoch_checkpoints(data_dir, tmp_path):
     run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "epoch")
     states = [json.loads((path / "trainer_state.json").read_text()) for path in sorted((run_dir / "checkpoints").iterdir())]

@@ -39,6 +39,8 @@ def place(tmp_path_factory, fork_servers):
         shutil.copytree(root / "earlier", root / name)
         path = root / name / "checkpoints" / checkpoint / damaged_file
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    shutil.copytree(root / "earlier", root / "preempted")  # its model not saved yet
+    (root / "preempted" / "model.safetensors").unlink()
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
@@ -52,7 +54,7 @@ def snapshot(root):
     """Every file under the earlier runs, by content."""
     return {
         str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "data")
+        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "preempted", "data")
         for path in sorted((root / folder).rglob("*")) if path.is_file()
     }
 
@@ -122,6 +124,12 @@ MISTAKES = {
                                    "is damaged (model.safetensors differs from what was saved): resume from an earlier checkpoint"),
     "corrupt checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_state"), output="corrupt_state"),
                                  "is incomplete or corrupt"),
+    "resume of another run's checkpoint into a folder that holds a run": (
+        lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "earlier"), output="no_checkpoints"),
+        "no_checkpoints already holds a run (metrics.jsonl, model.safetensors): choose another --output_dir"),
+    "resume with fewer epochs than the checkpoint trained": (
+        lambda p: cpu_gloo(p, "--num_epochs", "1", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest", output="preempted"),
+        "The checkpoint to resume has trained into epoch 2, past the --num_epochs 1 asked for now: pass --num_epochs 2 or more"),
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
     "restarts asked of a launch without torchrun": (lambda p: launch("--config_file", p / "one_process.yaml", "--max_restarts", "1",
                                                                     SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
