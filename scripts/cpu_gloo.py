@@ -151,6 +151,7 @@ def main(argv=None):
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
             checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
         log.continue_from(start)  # every process: the records of the epochs the checkpoint had finished
+    # Every process: a resumed run that had already stopped early stops with a sentence.
     early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
     if args.with_tracking:
         accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))

@@ -137,6 +137,12 @@ def test_early_stopping_patience_and_a_resumed_run_remember_the_epochs_without_i
     best = min(records, key=lambda record: record["eval_loss"])["epoch"]
     assert records[-1]["epoch"] == best + 2 < 10 and records[-1]["epoch"] >= 3
     assert f"Stopped early after epoch {best + 2}: eval_loss has not improved for 2 epochs" in result.stdout
+    # The same command again, as a requeued or restarted job would run it: the run is finished.
+    again = run(python_command("cpu_gloo.py", "--output_dir", whole, *flags, "--num_epochs", "10", "--resume_from_checkpoint", "latest"),
+                cwd=tmp_path, check=False)
+    assert again.returncode == 1 and f"error: The run in {whole} already stopped early after epoch {best + 2} (eval_loss has not " \
+        "improved for 2 epochs" in again.stderr, again.stderr[-2000:]
+    assert read_metrics(whole) == records
 
     resumed = tmp_path / "resumed"
     path = resume_from(whole, "step_00000064", resumed)  # after epoch 2
