@@ -74,7 +74,10 @@ def finish(job, timeout):
     try:
         return job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = [f"{process.pid} {process.status()} {' '.join(process.cmdline())[-120:]}" for process in psutil.Process(job.pid).children(recursive=True)]
+        descendants = psutil.Process(job.pid).children(recursive=True)  # some in sessions of their own, as torchrun starts them
+        tree = [f"{process.pid} {process.status()} {' '.join(process.cmdline())[-120:]}" for process in descendants]
+        for process in descendants:
+            process.kill()
         os.killpg(job.pid, signal.SIGKILL)
         stdout, stderr = job.communicate()
         pytest.fail(f"the run was still going {timeout} s later\n" + "\n".join(tree) + f"\n{stdout[-1500:]}\n{stderr[-3000:]}")
