@@ -3,6 +3,7 @@ process finish the run, two hosts on a real network stop (never hang) when the l
 CPU profile puts any Accelerate script into one gloo group. Every resumed run ends bitwise equal to
 one that never stopped."""
 
+import contextlib
 import json
 import os
 import random
@@ -77,7 +78,8 @@ def finish(job, timeout):
         descendants = psutil.Process(job.pid).children(recursive=True)  # some in sessions of their own, as torchrun starts them
         tree = [f"{process.pid} {process.status()} {' '.join(process.cmdline())[-120:]}" for process in descendants]
         for process in descendants:
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         os.killpg(job.pid, signal.SIGKILL)
         stdout, stderr = job.communicate()
         pytest.fail(f"the run was still going {timeout} s later\n" + "\n".join(tree) + f"\n{stdout[-1500:]}\n{stderr[-3000:]}")
