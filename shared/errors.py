@@ -116,6 +116,16 @@ def remove_if_run_fails(path):
     _MADE_BY_THIS_RUN.append(Path(path))
 
 
+def make_folders(path):
+    """`path` and those of its parents that are missing (mkdir -p), each of which a failed run removes."""
+    for folder in [*reversed(Path(path).parents), Path(path)]:  # outermost first: a failed run removes the innermost first
+        try:
+            folder.mkdir()
+        except FileExistsError:  # there before, or made by another process of the run
+            continue
+        remove_if_run_fails(folder)
+
+
 def remove_what_the_failed_run_made():
     for path in reversed(_MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
         try:

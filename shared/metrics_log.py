@@ -5,7 +5,7 @@ import json
 import time
 
 from shared import stop_together
-from shared.errors import UserError, first_line
+from shared.errors import UserError
 from shared.run_folder import EVAL_FILE, METRICS_FILE
 
 
@@ -35,18 +35,12 @@ class MetricsLog:
         """Every process must call this, for a resumed run: keeps the epochs the checkpoint had finished,
         drops any later ones, and counts elapsed_s on from the checkpoint's."""
         self.started = time.perf_counter() - position.elapsed_s
-        stop_together.on_main_process(self.accelerator, lambda: self._keep_epochs_before(position.epoch))
-
-    def _keep_epochs_before(self, epoch):
-        if not self.path.exists():
-            return
-        kept = [record for record in read_records(self.path.parent) if record["epoch"] < epoch]
-        partial = self.path.with_name(self.path.name + ".tmp")
-        try:
-            partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
-            partial.replace(self.path)
-        except OSError as error:
-            raise UserError(f"Could not write {self.path} ({first_line(error)}): free space or fix the folder, then resume again.") from None
+        records = stop_together.on_main_process(self.accelerator, lambda: read_records(self.path.parent))
+        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume again."):
+            if self.accelerator.is_main_process and self.path.exists():
+                partial = self.path.with_name(self.path.name + ".tmp")
+                partial.write_text("".join(json.dumps(record) + "\n" for record in records if record["epoch"] < position.epoch))
+                partial.replace(self.path)
 
 
 def read_records(output_dir):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from shared.errors import UserError, first_line, remove_if_run_fails
+from shared.errors import UserError, first_line, make_folders
 
 # torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -118,9 +118,7 @@ def _read_idx(path):
 def _download(name, data_dir, train, transform, download):
     """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there (if `download`)."""
     raw_folder = Path(data_dir) / name / "raw"
-    for folder in (Path(data_dir), raw_folder.parent, raw_folder):  # torchvision creates them before it downloads
-        if not folder.exists():
-            remove_if_run_fails(folder)
+    make_folders(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 
 from shared import stop_together
-from shared.errors import UserError, remove_if_run_fails
+from shared.errors import UserError, make_folders, remove_if_run_fails
 
 METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics_log.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
@@ -24,7 +24,8 @@ LOCK_FILE = ".lock"  # held by the live run's main process; the kernel lets go w
 
 
 def checkpoint_folder(output_dir, step, kind=""):
-    """The checkpoint after optimizer `step`; kind ".tmp_" while it is written, "damaged_" when set aside."""
+    """The checkpoint after optimizer `step`; kind ".tmp_" while it is written, "damaged_" when set aside,
+    "abandoned_" when a resume from an earlier one branched before it (shared/checkpoints.py)."""
     return Path(output_dir) / CHECKPOINT_FOLDER / f"{kind}step_{step:08d}"
 
 
@@ -79,10 +80,7 @@ def prepare(accelerator, output_dir, *, overwrite, resuming):
 def _take(output_dir, replace, resuming):
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
-    for folder in [*reversed(output_dir.parents), output_dir]:  # outermost first: a failed run removes the innermost first
-        if not folder.exists():
-            folder.mkdir()
-            remove_if_run_fails(folder)
+    make_folders(output_dir)
     hold(output_dir)
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if earlier and not resuming and not replace:
