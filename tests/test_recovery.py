@@ -154,6 +154,7 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sma
     os.kill(job.pid, signal.SIGTERM)
     _, stderr = finish(job, GRACE_S)
     assert job.returncode == 143 and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
+    assert_world_size(tmp_path / "run", num_processes)
     assert_no_process_left(tmp_path)
 
 

@@ -196,6 +196,7 @@ def test_ctrl_c_stops_every_process_with_one_line(num_processes, data_dir, tmp_p
     os.killpg(job.pid, signal.SIGINT)
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 130, stderr[-2000:]
+    assert read_metrics(tmp_path / "run")[0]["world_size"] == num_processes
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr and "error:" not in stderr, stderr
     assert stderr.count("Stopped by Ctrl-C.") == 1, stderr
 
