@@ -149,7 +149,7 @@ def main(argv=None):
     num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
     log = metrics_log.MetricsLog(output_dir, accelerator)
     saved = checkpoints.Checkpoints(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
-                                    batch_size=batch_size, num_epochs=num_epochs)
+                                    batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=num_epochs)
     # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops (shared/preemption.py).
     preemption = Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
@@ -179,6 +179,8 @@ def main(argv=None):
                            else accelerator.skip_first_batches(train_loader, start.batches_done))
             stats = EpochStats(accelerator, model, epoch, carried_over=start if resuming else None)
             for images, labels in tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process):
+                if step == args.max_train_steps:  # mid-epoch too, or already by the checkpoint resumed:
+                    break  # the epoch so far is evaluated and recorded, then the model saved
                 with accelerator.accumulate(model):
                     loss = loss_function(model(images).float(), labels)  # fp32 whatever the model computes in
                     accelerator.backward(loss)  # gradients are averaged across processes here
@@ -195,8 +197,6 @@ def main(argv=None):
                             accelerator.save_state(folder)
                     if stopping:
                         raise errors.Stopped(f"saved {saved.newest} after step {step}; continue with --resume_from_checkpoint latest.")
-                    if step == args.max_train_steps:
-                        break  # mid-epoch too: the epoch so far is evaluated and recorded, then the model saved
             scheduler.step()
             trained = stats.summary()  # every process: the epoch's loss (stops a diverged run), samples/s, peak memory
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -37,11 +38,13 @@ class Position:
 
 class Checkpoints:
     """The checkpoints of the run in output_dir: --checkpointing_steps (`every`: N optimizer steps or
-    'epoch'), --keep_last_checkpoints (`keep`); `batch_size` is each process's, `num_epochs` the run's."""
+    'epoch'), --keep_last_checkpoints (`keep`); `batch_size` and `batches_per_epoch` are each process's,
+    `num_epochs` the run's."""
 
-    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, num_epochs):
+    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs):
         self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
         self.every, self.keep, self.batch_size, self.num_epochs = every, keep, batch_size, num_epochs
+        self.batches_per_epoch = batches_per_epoch
         self.started = time.perf_counter()
         self.newest = None  # the last checkpoint this run saved
         self.writes_folder = writes_here(accelerator)
@@ -92,7 +95,7 @@ class Checkpoints:
         state = {name: value for name, value in dataclasses.asdict(position).items() if name != "path"} | {
             "world_size": self.accelerator.num_processes, "batch_size": self.batch_size,
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
-            "num_epochs": self.num_epochs, "files": digests}
+            "batches_per_epoch": self.batches_per_epoch, "num_epochs": self.num_epochs, "files": digests}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         aside = final.with_name(f"damaged_{final.name}")
         if final.exists():  # the same step, saved by a run this one resumed from before it: a damaged one is kept aside
@@ -125,6 +128,9 @@ class Checkpoints:
                 self.accelerator.print(f"Set aside {later}, saved after the checkpoint resumed, as {aside.name}.")
         self.accelerator.wait_for_everyone()
         self.started = time.perf_counter() - state["elapsed_s"]
+        # A checkpoint saved after its epoch's last batch, or at --max_train_steps, leaves no step to take before
+        # the epoch's scheduler.step(): torch's warning that the scheduler then stepped first is about other code.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
         return Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                         tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
 
@@ -138,8 +144,9 @@ class Checkpoints:
         # A run killed before it saved its model resumes to finish it, whatever its records say it reached.
         saved_model = (self.output_dir / MODEL_FILE).exists()
         last = ((read_records(self.output_dir) if saved_model else []) or [{"step": 0, "epoch": 0}])[-1]
-        if max_train_steps and max(state["global_step"], last["step"]) >= max_train_steps:
-            raise UserError(f"The run in {self.output_dir} already trained {max(state['global_step'], last['step'])} steps: pass a "
+        trained = max(state["global_step"], last["step"])
+        if max_train_steps and (trained > max_train_steps or (trained == max_train_steps and saved_model)):
+            raise UserError(f"The run in {self.output_dir} already trained {trained} steps: pass a "
                             "larger --max_train_steps to train further, or start a new run in another --output_dir.")
         finished = max(state["epoch"] - 1, last["epoch"])
         if not max_train_steps and finished >= self.num_epochs and saved_model:
@@ -153,6 +160,8 @@ class Checkpoints:
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
         number of processes, so the position in samples carries over when it falls on a step boundary."""
+        if state["batches_done"] == state["batches_per_epoch"]:  # saved after the epoch's last batch, ragged or not
+            return self.batches_per_epoch
         global_batch = self.accelerator.num_processes * self.batch_size
         if state["samples_done"] % global_batch:
             saved = state["world_size"] * state["batch_size"]

@@ -236,6 +236,36 @@ def test_max_train_steps_stops_mid_epoch_and_a_resume_ends_bitwise(data_dir, tmp
     assert f"The run in {full} already trained 50 steps: pass a larger --max_train_steps" in done.stderr
 
 
+def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes_to_save_it(data_dir, tmp_path):
+    """The checkpoint of step 50, --max_train_steps, is complete but model.safetensors is not there (a
+    kill in between leaves this folder): the resume trains no step, records the epoch and saves the
+    model the run would have saved. Before, it was refused as a run that had already trained 50 steps."""
+    flags = ["--data_dir", data_dir, "--batch_size", "50", "--max_train_steps", "50", "--checkpointing_steps", "25"]
+    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags)
+    shutil.copytree(full, tmp_path / "killed")
+    (tmp_path / "killed" / "model.safetensors").unlink()
+    killed, result = train("cpu_gloo.py", tmp_path, "killed", *flags, "--resume_from_checkpoint", "latest")
+    assert "epoch 2, 10 batches in, step 50." in result.stdout
+    assert_same_weights(weights(full), weights(killed))
+    assert_same_records(read_metrics(full), read_metrics(killed), rel=1e-6)
+
+
+def test_a_step_checkpoint_after_an_epochs_ragged_last_batch_resumes_at_another_batch_size(data_dir, tmp_path):
+    """2000 samples in batches of 48 are 42 batches an epoch, the last of 32. A step checkpoint after
+    the last holds the whole epoch: a resume at --batch_size 50 goes on as from the epoch checkpoint
+    saved at the same point. Before, it counted 42 x 48 samples and was refused."""
+    flags = ["--data_dir", data_dir, "--batch_size", "48", "--num_epochs", "1"]
+    by_step, _ = train("cpu_gloo.py", tmp_path, "by_step", *flags, "--checkpointing_steps", "42")
+    by_epoch, _ = train("cpu_gloo.py", tmp_path, "by_epoch", *flags, "--checkpointing_steps", "epoch")
+    resumed = [train("cpu_gloo.py", tmp_path, f"{source.name}_resumed", "--data_dir", data_dir, "--batch_size", "50",
+                     "--num_epochs", "2", "--resume_from_checkpoint", source / "checkpoints" / "step_00000042")
+               for source in (by_step, by_epoch)]
+    assert "epoch 1, 40 batches in, step 42." in resumed[0][1].stdout  # all 40 of its own batches
+    assert_same_weights(*(weights(run_dir) for run_dir, _ in resumed))
+    assert_same_records(*(read_metrics(run_dir)[-1:] for run_dir, _ in resumed))
+    assert read_metrics(resumed[0][0])[-1]["step"] == 42 + 40
+
+
 def test_max_train_steps_counts_optimizer_steps_at_any_world_size(data_dir, tmp_path):
     """With accumulation of 2 batches of 50, an epoch of 2000 samples is 20 optimizer steps; 30 steps end
     inside epoch 2, at 1 process and at 2, with the same model."""
