@@ -160,9 +160,9 @@ def main(argv=None):
             with checkpoints.loading(start.path, accelerator, start):
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
             checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
-        log.continue_from(start)  # every process: the records of the epochs the checkpoint had finished
     # Every process: a resumed run that had already stopped early stops with a sentence.
-    early_stopping = EarlyStopping(accelerator, output_dir, patience=args.early_stopping_patience, target=args.early_stopping_target)
+    early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
+    log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
     if args.with_tracking:
         accelerator.init_trackers("seq_net", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
@@ -204,12 +204,12 @@ def main(argv=None):
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator), {"step": step, "lr": scheduler.get_last_lr()[0]})
             accelerator.print(metrics_log.epoch_line(record, num_epochs))
             accelerator.log(tracking.scalars(record), step=epoch)
+            if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
+                accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
+                break  # without a checkpoint: a kill before the model is saved resumes to train this epoch again
             if saved.due_after_epoch(stats.batches == len(train_loader)):
                 with saved.saving(epoch + 1, step) as folder:  # every process
                     accelerator.save_state(folder)
-            if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
-                accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
-                break
 
     accelerator.wait_for_everyone()
     # model.safetensors from the main process, unwrapped from DDP and torch.compile so that it loads into

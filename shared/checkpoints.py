@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from shared import checkpoint_digests, stop_together
 from shared.errors import UserError, first_line
 from shared.metrics_log import read_records
-from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in, writes_here
+from shared.run_folder import (CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in,
+                               model_saved_after, writes_here)
 
 
 @dataclasses.dataclass
@@ -118,7 +119,9 @@ class Checkpoints:
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
         state = json.loads((path / STATE_FILE).read_text())
-        stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(state, max_train_steps))
+        stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(path, state, max_train_steps))
+        position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
+                            tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
         if self.writes_folder and path.parent.resolve() == self.folder.resolve():
             for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint.name > path.name]:
                 aside = later.with_name(f"abandoned_{later.name}")
@@ -131,8 +134,7 @@ class Checkpoints:
         # A checkpoint saved after its epoch's last batch, or at --max_train_steps, leaves no step to take before
         # the epoch's scheduler.step(): torch's warning that the scheduler then stepped first is about other code.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
-        return Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
-                        tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
+        return position
 
     def _nothing_to_resume(self):
         if (self.output_dir / METRICS_FILE).exists():  # never train again over the epochs of a run that saved no checkpoint
@@ -140,9 +142,10 @@ class Checkpoints:
             raise UserError(f"{self.output_dir} holds a run but {which} to resume: choose another --output_dir, "
                             "or pass --overwrite_output_dir instead of --resume_from_checkpoint.")
 
-    def _check_not_finished(self, state, max_train_steps):
-        # A run killed before it saved its model resumes to finish it, whatever its records say it reached.
-        saved_model = (self.output_dir / MODEL_FILE).exists()
+    def _check_not_finished(self, path, state, max_train_steps):
+        # A run killed before it saved its model resumes to finish it, whatever its records say it reached;
+        # a model file from before this checkpoint is the end of an earlier run that this one continued.
+        saved_model = model_saved_after(self.output_dir, path)
         last = ((read_records(self.output_dir) if saved_model else []) or [{"step": 0, "epoch": 0}])[-1]
         trained = max(state["global_step"], last["step"])
         if max_train_steps and (trained > max_train_steps or (trained == max_train_steps and saved_model)):
@@ -160,7 +163,7 @@ class Checkpoints:
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
         number of processes, so the position in samples carries over when it falls on a step boundary."""
-        if state["batches_done"] == state["batches_per_epoch"]:  # saved after the epoch's last batch, ragged or not
+        if state["batches_done"] == state.get("batches_per_epoch"):  # saved after the epoch's last batch, ragged or not
             return self.batches_per_epoch
         global_batch = self.accelerator.num_processes * self.batch_size
         if state["samples_done"] % global_batch:

@@ -10,22 +10,24 @@ from accelerate.utils import broadcast_object_list
 from shared import stop_together
 from shared.errors import UserError
 from shared.metrics_log import read_records
-from shared.run_folder import MODEL_FILE
+from shared.run_folder import model_saved_after
 
 
 class EarlyStopping:
     """`patience`: stop when eval_loss has not improved on its best for that many epochs; `target`: stop
     after the first epoch whose eval_accuracy reaches it (time to accuracy, as MLPerf measures it)."""
 
-    def __init__(self, accelerator, output_dir, *, patience, target):
-        """Every process must call this (one broadcast). A resumed run that had already stopped early
-        after its last recorded epoch, and saved its model, stops with a sentence instead of training on."""
+    def __init__(self, accelerator, output_dir, start, *, patience, target):
+        """Every process must call this (one broadcast), before log.continue_from(start) cuts metrics.jsonl.
+        A run that had already stopped early after its last recorded epoch, and saved its model after the
+        checkpoint it resumes (`start`, a checkpoints.Position), stops with a sentence instead of training on."""
         self.accelerator, self.patience, self.target = accelerator, patience, target
-        self.history = read_records(output_dir) if accelerator.is_main_process else []  # a resumed run's epochs
-        stop_together.on_main_process(accelerator, lambda: self._check_not_stopped(output_dir))
+        self.history = read_records(output_dir) if accelerator.is_main_process else []
+        stop_together.on_main_process(accelerator, lambda: self._check_not_stopped(output_dir, start.path))
+        self.history = [record for record in self.history if record["epoch"] < start.epoch]  # the epochs a resumed run keeps
 
-    def _check_not_stopped(self, output_dir):
-        if self.history and (output_dir / MODEL_FILE).exists() and (reason := self._reason(self.history[-1])):
+    def _check_not_stopped(self, output_dir, checkpoint):
+        if self.history and model_saved_after(output_dir, checkpoint) and (reason := self._reason(self.history[-1])):
             raise UserError(f"The run in {output_dir} already stopped early after epoch {self.history[-1]['epoch']} ({reason}): "
                             "loosen --early_stopping_patience or --early_stopping_target to train further, or start a new run "
                             "in another --output_dir.")

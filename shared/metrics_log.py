@@ -32,8 +32,8 @@ class MetricsLog:
         return record
 
     def continue_from(self, position):
-        """Every process must call this, for a resumed run: keeps the epochs the checkpoint had finished,
-        drops any later ones, and counts elapsed_s on from the checkpoint's."""
+        """Every process must call this: keeps the records of the epochs before `position` (a
+        checkpoints.Position; none for a new run), drops any later ones, and counts elapsed_s on from its."""
         self.started = time.perf_counter() - position.elapsed_s
         records = stop_together.on_main_process(self.accelerator, lambda: read_records(self.path.parent))
         with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume again."):

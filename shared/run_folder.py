@@ -35,6 +35,13 @@ def checkpoints_in(folder):
     return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
 
 
+def model_saved_after(output_dir, checkpoint):
+    """Whether output_dir's model.safetensors was saved after `checkpoint` (a folder; None: at all): the
+    end of the run that went on from that checkpoint, not the end of an earlier run it continues."""
+    model = Path(output_dir) / MODEL_FILE
+    return model.exists() and (checkpoint is None or model.stat().st_mtime >= (Path(checkpoint) / STATE_FILE).stat().st_mtime)
+
+
 def resumes_here(spec, output_dir):
     """Whether --resume_from_checkpoint `spec` continues the run in output_dir: `latest`, one of its
     checkpoints, or no folder at all (which the resume then names); another run's checkpoint starts a

@@ -188,6 +188,34 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_dat
     assert_same_records(read_metrics(whole), read_metrics(branch), rel=1e-6)
 
 
+def test_a_resume_that_is_refused_sets_no_checkpoint_aside(small_data, tmp_path):
+    """A resume from an earlier checkpoint that stops with a sentence (here at a batch size its position
+    does not divide into) leaves the later checkpoints as they were, so that `latest` still finds them."""
+    flags = ["--data_dir", small_data, "--batch_size", "64", "--num_epochs", "1", "--checkpointing_steps", "3"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved: the folder can be resumed
+    refused = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--batch_size", "50",
+                                 "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000003"), cwd=tmp_path, check=False)
+    assert refused.returncode == 1 and "stopped 192 samples into epoch 1, which is not a whole number" in refused.stderr
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+
+
+def test_a_continued_run_killed_before_its_new_model_was_saved_resumes_to_save_it(data_dir, tmp_path):
+    """A run that ended at step 30 is continued to --max_train_steps 50 and killed after the checkpoint of
+    step 50, before its model: the model.safetensors in the folder is still step 30's, which is not the
+    end of this run. The resume saves the model of step 50; before, it said the run had trained 50 steps."""
+    flags = ["--data_dir", data_dir, "--batch_size", "50", "--checkpointing_steps", "10"]
+    first, _ = train("cpu_gloo.py", tmp_path, "first", *flags, "--max_train_steps", "30")
+    shutil.copytree(first, tmp_path / "continued")
+    continued, _ = train("cpu_gloo.py", tmp_path, "continued", *flags, "--max_train_steps", "50", "--resume_from_checkpoint", "latest")
+    shutil.copytree(continued, tmp_path / "killed")
+    shutil.copy2(first / "model.safetensors", tmp_path / "killed" / "model.safetensors")  # step 30's file, as it was
+    killed, result = train("cpu_gloo.py", tmp_path, "killed", *flags, "--max_train_steps", "50", "--resume_from_checkpoint", "latest")
+    assert "epoch 2, 10 batches in, step 50." in result.stdout
+    assert_same_weights(weights(continued), weights(killed))
+    assert_same_records(read_metrics(continued), read_metrics(killed), rel=1e-6)
+
+
 def test_epoch_checkpoints(data_dir, tmp_path):
     run_dir, _ = train("mnist_conv.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "epoch")
     states = [json.loads((path / "trainer_state.json").read_text()) for path in sorted((run_dir / "checkpoints").iterdir())]

@@ -3,11 +3,12 @@ Each check fails if its flag silently did nothing; a flag that only observes lea
 as they were."""
 
 import json
+import shutil
 import sys
 
 import pytest
 
-from conftest import TOOLS, python_command, read_metrics, run
+from conftest import TOOLS, checkpoints_in, python_command, read_metrics, read_state, run
 from test_features import assert_same_records, assert_same_weights, resume_from, train, weights
 
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
@@ -148,6 +149,27 @@ def test_early_stopping_patience_and_a_resumed_run_remember_the_epochs_without_i
     path = resume_from(whole, "step_00000064", resumed)  # after epoch 2
     train("cpu_gloo.py", tmp_path, "resumed", *flags, "--num_epochs", "10", "--resume_from_checkpoint", path)
     assert_same_records(records, read_metrics(resumed), rel=1e-6)
+
+    # Killed after the stopping epoch's record but before its model: no checkpoint was saved after that
+    # epoch, so the resume trains it again and stops where the run stopped (before, it trained on).
+    shutil.copytree(whole, tmp_path / "killed")
+    (tmp_path / "killed" / "model.safetensors").unlink()
+    killed, _ = train("cpu_gloo.py", tmp_path, "killed", *flags, "--num_epochs", "10", "--resume_from_checkpoint", "latest")
+    assert_same_records(records, read_metrics(killed), rel=1e-6)
+    assert_same_weights(weights(whole), weights(killed))
+
+
+def test_a_run_stopped_early_is_finished_whatever_its_newest_checkpoint(data_dir, tmp_path):
+    """Its newest checkpoint a step checkpoint inside the epoch it stopped after: running it again still
+    says it stopped early (before, the resume cut that epoch's record first and trained it again)."""
+    flags = ["--data_dir", data_dir, "--lr", "5", "--early_stopping_patience", "2", "--checkpointing_steps", "20", "--num_epochs", "10"]
+    whole, _ = train("cpu_gloo.py", tmp_path, "whole", *flags)
+    records = read_metrics(whole)
+    newest = read_state(checkpoints_in(whole / "checkpoints")[-1])
+    assert newest["epoch"] == records[-1]["epoch"] and 0 < newest["batches_done"] < newest["batches_per_epoch"]
+    again = run(python_command("cpu_gloo.py", "--output_dir", whole, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path, check=False)
+    assert again.returncode == 1 and f"error: The run in {whole} already stopped early after epoch {records[-1]['epoch']}" in again.stderr
+    assert read_metrics(whole) == records
 
 
 def test_batched_power_sgd_where_torch_breaks_it_is_answered_in_one_sentence(tmp_path):
