@@ -181,7 +181,7 @@ def main(argv=None):
                 profiler.step()  # --profile: one more step of its window
                 if accelerator.sync_gradients:  # an optimizer step happened
                     step += 1
-                    # Every process; at the last step the run finishes instead (its model, not a checkpoint to resume).
+                    # Every process; at the last of --max_train_steps the run finishes instead (its model, not a checkpoint).
                     stopping = preemption.stop_agreed(step) and step != args.max_train_steps
                     if stopping or saved.due(step):
                         with saved.saving(epoch, step, stats) as folder:  # every process; renamed once complete
@@ -210,7 +210,8 @@ def main(argv=None):
     accelerator.wait_for_everyone()
     # model.safetensors from the main process, unwrapped from DDP and torch.compile so that it loads into
     # the plain SimpleNet. A failed write stops every process with one sentence.
-    with stop_together.if_write_fails(output_dir / run_folder.MODEL_FILE, "free space or fix the folder, and train again."):
+    with stop_together.if_write_fails(output_dir / run_folder.MODEL_FILE, "free space or fix the folder, then finish the run with "
+                                      "--resume_from_checkpoint latest (without checkpoints: train again with --overwrite_output_dir)."):
         accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), output_dir)
     accelerator.print(f"Saved the trained model to {output_dir / run_folder.MODEL_FILE}")
     accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown

@@ -25,7 +25,8 @@ class MetricsLog:
             record.update(part)
         record.update(world_size=self.accelerator.num_processes, device=str(self.accelerator.device),
                       mixed_precision=self.accelerator.mixed_precision, elapsed_s=round(time.perf_counter() - self.started, 3))
-        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume from the newest checkpoint."):
+        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume with --resume_from_checkpoint "
+                                          "latest (without checkpoints: train again with --overwrite_output_dir)."):
             if self.accelerator.is_main_process:
                 with self.path.open("a") as file:
                     file.write(json.dumps(record) + "\n")
