@@ -202,10 +202,13 @@ def main():
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if args.max_restarts:
-        one_process_alone = config is not None and config.distributed_type.value == "NO" and (setting("num_processes") or 1) == 1
-        if one_process_alone and not args.multi_gpu:
-            fail("--max_restarts needs torchrun, which a one-process launch without --multi_gpu does not use (1gpu.yaml): "
-                 "add --multi_gpu to restart a one-process run.")
+        # accelerate runs a multi-GPU, FSDP or DeepSpeed launch under torchrun; any other without it, where nothing restarts.
+        under_torchrun = args.multi_gpu or args.use_fsdp or args.use_deepspeed or (
+            config is not None and config.distributed_type.value in ("MULTI_GPU", "FSDP", "DEEPSPEED"))
+        if not under_torchrun:
+            fail("--max_restarts needs torchrun, which this launch does not use (a one-process profile such as 1gpu.yaml, or "
+                 "none): pass --config_file accelerate_configs/4gpu.yaml --num_processes 1 (cpu.yaml on a machine without "
+                 "GPUs), which runs one process under torchrun.")
         use_a_fresh_rendezvous_for_every_restart(args, setting)
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")

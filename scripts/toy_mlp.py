@@ -49,7 +49,7 @@ class OneLineParser(argparse.ArgumentParser):
     """A bad flag ends in one sentence that says what to do, not argparse's usage text."""
 
     def error(self, message):
-        raise UserError(f"{message}: see {self.prog} --help for what it takes.")
+        raise UserError(f"{message}: see {self.prog} --help for what it takes.", every_process=True)
 
 
 def positive(kind):
@@ -77,7 +77,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=123, help="seed for the weights and the shuffling (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                         help="autocast precision (default: the launch profile's, else no)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 <= args.seed < 2**32:  # set_seed seeds numpy too, which takes no other
+        parser.error(f"argument --seed: must be from 0 to {2**32 - 1}, the seeds numpy takes, got {args.seed}")
+    return args
 
 
 @torch.no_grad()

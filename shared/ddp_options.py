@@ -28,10 +28,10 @@ def kwargs_handlers(ddp_timeout, comm_hook="no", bucket_cap_mb=None):
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and (comm_hook != "no" or bucket_cap_mb):
         flag = "--ddp_comm_hook" if comm_hook != "no" else "--ddp_bucket_cap_mb"
         raise UserError(f"{flag} shapes DDP's gradient all-reduce, which FSDP (fsdp.yaml) does not use: leave it out, "
-                        "or launch with a DDP profile.")
+                        "or launch with a DDP profile.", every_process=True)
     if comm_hook == "batched_power_sgd" and not batched_power_sgd_works():
         raise UserError(f"--ddp_comm_hook batched_power_sgd fails in torch {torch.__version__} (its hook hands a single matrix to "
-                        "an orthogonalization that takes a batch of them): use --ddp_comm_hook power_sgd.")
+                        "an orthogonalization that takes a batch of them): use --ddp_comm_hook power_sgd.", every_process=True)
     ddp = {"comm_hook": DDPCommunicationHookType(comm_hook)}
     if "power_sgd" in comm_hook:
         ddp["comm_state_option"] = {"start_powerSGD_iter": 2}

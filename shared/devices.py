@@ -4,25 +4,34 @@ for GPUs this machine does not have."""
 import os
 
 import torch
+from accelerate.utils import parse_flag_from_env
 
 from shared.errors import UserError
 
 
 def cpu_only():
     """The Accelerator's cpu=: whether this run must use the CPU. Stops when the launch named GPUs
-    (a GPU profile's gpu_ids, which reach the process as CUDA_VISIBLE_DEVICES) that are not there.
+    (a GPU profile's gpu_ids, which reach the process as CUDA_VISIBLE_DEVICES) that are not there, or
+    starts more processes on this machine than it has GPUs (each takes the GPU of its local rank).
 
     `accelerate launch` starts every multi-process profile through torchrun; on a machine without
     GPUs those processes join one gloo group only if the Accelerator is built with cpu=True
     (otherwise each trains alone at world size 1)."""
     requested = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if requested and not requested.startswith("-"):
-        require_gpus(f"This launch asks for GPUs {requested} (a GPU profile)")
+    asked = requested and not requested.startswith("-")
+    if asked or (torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")):
+        require_gpus(f"This launch asks for GPUs {requested or 'all'}" + (" (a GPU profile)" if asked else ""),
+                     per_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's processes on this machine
     return not torch.cuda.is_available()
 
 
-def require_gpus(launch):
-    """Stop with one sentence when `launch` (what asks for GPUs, as the sentence's subject) finds none."""
+def require_gpus(launch, per_machine=1):
+    """Stop with one sentence when `launch` (what asks for GPUs, as the sentence's subject) finds none,
+    or fewer than its `per_machine` processes on this machine."""
     if not torch.cuda.is_available():
         raise UserError(f"{launch} but PyTorch sees no GPU on this machine: launch with --config_file "
-                        "accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch.")
+                        "accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch.", every_process=True)
+    if per_machine > torch.cuda.device_count():
+        raise UserError(f"{launch}, one for each of its {per_machine} processes on this machine, but PyTorch sees "
+                        f"{torch.cuda.device_count()}: pass --num_processes {torch.cuda.device_count()} (per machine), "
+                        f"or launch on machines with {per_machine} GPUs each.", every_process=True)

@@ -28,6 +28,7 @@ non_negative_int = _number(int, "a whole number", lambda value: value >= 0, "0 o
 positive_float = _number(float, "a number", lambda value: value > 0, "greater than 0")
 accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy above 0 and at most 1")
 learning_rate = _number(float, "a number", lambda value: 0 < value <= 3.4e38, "above 0 and at most 3.4e38, float32's largest")
+seed = _number(int, "a whole number", lambda value: 0 <= value < 2**32, f"from 0 to {2**32 - 1}, the seeds numpy takes")
 
 
 def checkpointing_steps(text):
@@ -39,13 +40,15 @@ class OneLineParser(argparse.ArgumentParser):
     """Reports a bad flag, or a flag that would do nothing, in one line that says what to do."""
 
     def error(self, message):
-        raise UserError(f"{message}: see {self.prog} --help for what it takes.")
+        raise UserError(f"{message}: see {self.prog} --help for what it takes.", every_process=True)
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
-        for flag, needs in (("report_to", "with_tracking"), ("keep_last_checkpoints", "checkpointing_steps")):
-            if getattr(namespace, flag, None) != self.get_default(flag) and not getattr(namespace, needs, None):
-                self.error(f"argument --{flag} does nothing without --{needs}")
+        for flag, needs, given in (("report_to", "--with_tracking", lambda: namespace.with_tracking),
+                                   ("keep_last_checkpoints", "--checkpointing_steps", lambda: namespace.checkpointing_steps),
+                                   ("dataset_name", "--dataset_source hub", lambda: namespace.dataset_source == "hub")):
+            if getattr(namespace, flag, None) != self.get_default(flag) and not given():
+                self.error(f"argument --{flag} does nothing without {needs}")
         return namespace, extras
 
 
@@ -58,7 +61,7 @@ def training_parser(description, *, output_dir):
     parser = OneLineParser(description=description, formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--output_dir", default=output_dir, help="where metrics.jsonl, model.safetensors and checkpoints go")
-    add("--seed", type=non_negative_int, default=42, help="seed for weights, shuffling and every random generator")
+    add("--seed", type=seed, default=42, help="seed for weights, shuffling and every random generator")
     add("--max_train_steps", type=positive_int, default=None,
         help="stop after this many optimizer steps, mid-epoch too, then evaluate and save the model (overrides --num_epochs)")
     add("--no_split_batches", dest="split_batches", action="store_false",
@@ -117,7 +120,7 @@ def batch_size_per_process(batch_size, num_processes, split):
     if batch_size % num_processes:
         raise UserError(
             f"--batch_size {batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
-            f"{num_processes}, or --no_split_batches to give every process a batch of {batch_size}.")
+            f"{num_processes}, or --no_split_batches to give every process a batch of {batch_size}.", every_process=True)
     return batch_size // num_processes
 
 
@@ -128,4 +131,4 @@ def check_accumulation(accumulation_steps, batches_per_epoch):
         raise UserError(
             f"--gradient_accumulation_steps {accumulation_steps} is more than the {batches_per_epoch} batches "
             f"each process trains in an epoch, so every epoch would take one small optimizer step: pass at most "
-            f"{batches_per_epoch}, or a smaller --batch_size.")
+            f"{batches_per_epoch}, or a smaller --batch_size.", every_process=True)

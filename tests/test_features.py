@@ -424,8 +424,9 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
 
     one, _ = train("cpu_gloo.py", tmp_path, "one_process", "--data_dir", data_dir, "--num_epochs", "2")
     two, _ = train("cpu_gloo.py", tmp_path, "two_processes", "--data_dir", data_dir, "--num_epochs", "2", num_processes=2)
+    toy, _ = train("toy_mlp.py", tmp_path, "toy")  # records no eval loss: its panel leaves the run out
     png = tmp_path / "plots" / "new" / "curves.png"  # folders that do not exist yet
-    run([sys.executable, TOOLS / "plot_metrics.py", one, two, "-o", png], cwd=tmp_path)
+    run([sys.executable, TOOLS / "plot_metrics.py", one, two, toy, "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1500, 400)
         colors = image.convert("RGB").getcolors(maxcolors=1_000_000)

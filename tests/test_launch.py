@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import CONFIGS, REPO, SCRIPTS, launch_command, read_metrics, run
@@ -125,3 +126,29 @@ def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(tmp_p
     assert result.returncode != 0
     assert "asks for GPUs 0,1 (a GPU profile) but PyTorch sees no GPU" in result.stderr
     assert not (tmp_path / "run").exists()
+    assert result.stderr.count("error: ") == 1, "said once on this machine, not once per process"
+
+
+def test_more_processes_on_a_machine_than_its_gpus_stop_every_process_with_one_sentence(monkeypatch):
+    """A stand-in for a one-GPU machine, which this one is not: it assumes that torch reports one device
+    and that torchrun tells each of 4gpu.yaml's processes LOCAL_WORLD_SIZE 4; on the real machine three of
+    them would fail in CUDA with "invalid device ordinal", a traceback each."""
+    from shared import devices
+    from shared.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserError, match=r"^This launch asks for GPUs 0,1,2,3 \(a GPU profile\), one for each of its 4 processes on "
+                       r"this machine, but PyTorch sees 1: pass --num_processes 1 \(per machine\), or launch on machines with 4 GPUs each\.$") as stop:
+        devices.cpu_only()
+    assert stop.value.every_process, "every process stops with it, so each machine says it once"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # gpu_ids all: the GPUs are counted all the same
+    with pytest.raises(UserError, match="asks for GPUs all, one for each of its 4 processes"):
+        devices.cpu_only()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # cpu.yaml's processes leave the GPUs alone
+    assert devices.cpu_only() is False
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # --num_processes 1, as the sentence advises
+    assert devices.cpu_only() is False

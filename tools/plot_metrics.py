@@ -42,12 +42,17 @@ def main():
         label = f"{Path(run_dir).resolve().name} ({records[-1]['world_size']} proc)"
         epochs = [record["epoch"] for record in records]
         for axis, (key, _) in zip(axes, PANELS):
+            if key not in records[0]:  # toy_mlp records no eval loss
+                continue
             axis.plot(epochs, [record[key] for record in records], marker="o", label=label)
     for axis, (_, title) in zip(axes, PANELS):
         axis.set(title=title, xlabel="epoch")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
+        if axis.lines:
+            axis.legend(fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "not recorded by these runs", ha="center", transform=axis.transAxes)
     figure.tight_layout()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.output, dpi=100)
