@@ -103,11 +103,6 @@ def main(argv=None):
     set_seed(args.seed)
     # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
     agreement.check(accelerator, vars(args))
-    # Every process: refuses an --output_dir that holds an earlier run or a live one, before anything is written.
-    output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
-                                                 resuming=run_folder.resumes_here(args.resume_from_checkpoint, args.output_dir) or args.eval_only)
-    accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
-
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
@@ -130,6 +125,12 @@ def main(argv=None):
     # prepare() wraps the model in DDP (or FSDP), moves it to the device and shards the DataLoaders
     # across the processes (the in-memory loader shards itself the same way and passes through).
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, test_loader, scheduler)
+    flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+    # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check
+    # that could stop the run before it trains, does --overwrite_output_dir delete the run it holds.
+    output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
+                                                 resuming=run_folder.resumes_here(args.resume_from_checkpoint, args.output_dir) or args.eval_only)
+    accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
 
     if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
         weights = checkpoints.weights_to_evaluate(accelerator, args.resume_from_checkpoint, output_dir)  # every process
@@ -143,7 +144,6 @@ def main(argv=None):
         accelerator.end_training()
         return
 
-    flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
     # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
     num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs

@@ -118,6 +118,13 @@ MISTAKES = {
                                                       "unrecognized arguments: --data_dir"),
     "accumulation longer than an epoch": (lambda p: cpu_gloo(p, "--gradient_accumulation_steps", "100"),
                                           "--gradient_accumulation_steps 100 is more than the 4 batches each process trains in an epoch"),
+    # --overwrite_output_dir deletes the earlier run only once nothing can stop the new one before it trains.
+    "accumulation longer than an epoch, overwriting a run": (
+        lambda p: cpu_gloo(p, "--overwrite_output_dir", "--gradient_accumulation_steps", "100", output="earlier"),
+        "--gradient_accumulation_steps 100 is more than the 4 batches"),
+    "data folder without the files, offline, overwriting a run": (
+        lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "earlier", "--overwrite_output_dir"),
+        "could not be downloaded"),
     "truncated data file": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
                             "could not be read"),
     # With several processes only the main process reads first; the others must stop with it, not crash.
