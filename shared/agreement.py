@@ -1,7 +1,7 @@
 """Before the first step: every process trains the same, or all stop naming the first difference.
 
-Launched on several machines with different flags, code, packages or launch profiles (each machine
-has its own copy of 2node_4gpu.yaml), the processes would otherwise average the gradients of
+Launched on several machines with different flags, code, packages, launch profiles (each machine
+has its own copy of 2node_4gpu.yaml) or data, the processes would otherwise average the gradients of
 different models, or wait on each other forever."""
 
 import hashlib
@@ -12,6 +12,7 @@ from pathlib import Path
 import accelerate
 import torch
 from accelerate.utils import gather_object
+from torch.utils.data import TensorDataset
 
 import shared
 from shared.errors import UserError
@@ -24,7 +25,9 @@ PER_MACHINE_FLAGS = {"output_dir", "data_dir", "overwrite_output_dir", "num_work
 PARTS = {"flags": ("--{} is {!r}", "start every process with the same training flags"),
          "profile": ("{} is {}", "launch every machine with the same launch profile settings"),
          "code": ("{} has SHA-256 {}", "run the same code on every machine"),
-         "packages": ("{} is {}", "install the same versions everywhere (pip install -r requirements.txt -c constraints.txt)")}
+         "packages": ("{} is {}", "install the same versions everywhere (pip install -r requirements.txt -c constraints.txt)"),
+         "data": ("the {} has {}", "give every machine the same copy of the data set (delete a machine's copy under --data_dir "
+                  "to have it downloaded again)")}
 
 
 def check(accelerator, flags):
@@ -32,11 +35,29 @@ def check(accelerator, flags):
     less PER_MACHINE_FLAGS; a checkpoint to resume by its folder's name), what the Accelerator runs
     with (the launch profile's precision, distributed type, device, torch.compile and FSDP settings),
     the code (the script and shared/) and the torch and accelerate versions."""
-    everyone = gather_object([what_this_process_trains(accelerator, flags)])
+    stop_at_a_difference(gather_object([what_this_process_trains(accelerator, flags)]))
+
+
+def check_data(train_set, test_set):
+    """Every process must call this (one all-gather), after the data load: every process read the same
+    data sets, by their sizes and SHA-256s, or all stop naming the first difference. A machine with a
+    disk of its own reads its own copy, which may be another data set (the 5,000-digit subset where the
+    others have the whole one): its processes would shard other samples, or take fewer steps and hang."""
+    data = {}
+    for name, dataset in (("training set", train_set), ("test set", test_set)):
+        digest = hashlib.sha256()  # 0.1 s for MNIST's 60,000 decoded images
+        for tensor in dataset.tensors if isinstance(dataset, TensorDataset) else (dataset.data, dataset.targets):
+            digest.update(torch.as_tensor(tensor).contiguous().numpy())
+        data[name] = f"{len(dataset)} samples with SHA-256 {digest.hexdigest()[:12]}"
+    stop_at_a_difference(gather_object([{"data": data, "host": socket.gethostname()}]))
+
+
+def stop_at_a_difference(everyone):
+    """Raise the first difference between process 0's and another process's gathered description."""
     first = everyone[0]
     for rank, theirs in enumerate(everyone):
         for part, (said, advice) in PARTS.items():
-            for name in sorted(first[part].keys() | theirs[part].keys()):
+            for name in sorted(first.get(part, {}).keys() | theirs.get(part, {}).keys()):
                 if first[part].get(name) != theirs[part].get(name):
                     raise UserError(
                         f"The processes disagree before the first step: {said.format(name, theirs[part].get(name))} in process "

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from conftest import CONFIGS, SCRIPTS, checkpoints_in, free_port, latest_checkpoint, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
 PROBES = SCRIPTS.parent / "tests" / "probes"
@@ -275,6 +276,19 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     single = tmp_path / "single"
     run(launch("--output_dir", single, *args), cwd=tmp_path)
     assert_world_size(single)
+
+    # The second host's own copy of the data is another data set of the same size: both hosts stop
+    # before the first step, saying so once each, and make no run folder.
+    other_data = write_small_mnist(tmp_path / "other_data", "MNIST", num_train=512, num_test=64, seed=7).parents[1]
+    port = free_port()
+    machines = [start(machine_command(hosts, rank, port, "--data_dir", (small_data, other_data)[rank], *FLAGS, "--output_dir",
+                                      tmp_path / "disagree", launcher=(SCRIPTS / "launch.py",)), tmp_path) for rank in (0, 1)]
+    for machine in machines:
+        _, stderr = finish(machine, 120)
+        assert machine.returncode == 1, stderr[-3000:]
+        assert stderr.count("error: The processes disagree before the first step: the test set has 64 samples with SHA-256 ") == 1, stderr[-3000:]
+        assert "give every machine the same copy of the data set" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "disagree").exists()
 
     # The two hosts train as one group; the link goes down mid-run: both hosts stop within
     # --ddp_timeout (and the launcher's own shutdown), never hang; with the link back, the run resumes
