@@ -67,9 +67,11 @@ def _from_hub(hub_name, data_dir, transform, download):
     """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
     import datasets as hub  # only this path needs it
 
+    # A process that must not download reads the cache that its machine's first process filled. datasets
+    # 5 ignores DownloadConfig(local_files_only=True) and asks the Hub all the same; its offline mode does not.
+    offline, hub.config.HF_HUB_OFFLINE = hub.config.HF_HUB_OFFLINE, hub.config.HF_HUB_OFFLINE or not download
     try:
-        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"),
-                                  download_config=hub.DownloadConfig(local_files_only=not download))
+        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
         return tuple(
             ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
                          np.asarray(splits[split]["label"]), transform)
@@ -81,6 +83,8 @@ def _from_hub(hub_name, data_dir, transform, download):
             "pass --dataset_name a local data set with train and test splits of image and label columns, "
             "or use --dataset_source torchvision."
         ) from None
+    finally:
+        hub.config.HF_HUB_OFFLINE = offline
 
 
 def _per_sample_transform(stats):

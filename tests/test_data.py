@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run
+from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
 from synthetic_digits import write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -80,3 +80,19 @@ def test_a_failed_download_stops_every_rank_with_its_sentence(tmp_path):
     assert [(record["rank"], record["world_size"]) for record in records] == [(rank, 4) for rank in range(4)]
     assert all(record["error"] == f"{tmp_path / 'data.txt'} could not be downloaded: connect to the internet." for record in records)
     assert [line for line in result.stderr.splitlines() if "error: " in line] == [f"error: {records[0]['error']}"]
+
+
+def test_only_a_process_that_downloads_asks_the_hub(tmp_path):
+    """The processes that load after their machine's first read its cache and send the Hub nothing
+    (datasets 5 ignores DownloadConfig(local_files_only=True), so each asked the Hub). The Hub here is
+    a stand-in that counts connections; that the cache is then read is datasets' offline mode, which
+    needs a real Hub data set in the cache to show."""
+    found = {}
+    online = {name: value for name, value in script_env().items() if name != "HF_HUB_OFFLINE"}  # the Hub is the probe's own
+    for how in ("--download", "--read"):
+        result = run([sys.executable, PROBES / "hub_requests.py", tmp_path / how.strip("-"), how], cwd=tmp_path, env=online,
+                     new_interpreter=True)  # one that imports datasets after the probe has set HF_ENDPOINT
+        found[how] = json.loads(result.stdout.splitlines()[-1])
+        assert found[how]["error"].startswith("someone/mnist could not be loaded from the Hugging Face Hub")
+    assert found["--download"]["connections"] > 0, "the stand-in sees a process that asks"
+    assert found["--read"]["connections"] == 0
