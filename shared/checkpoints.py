@@ -168,10 +168,13 @@ class Checkpoints:
         global_batch = self.accelerator.num_processes * self.batch_size
         if state["samples_done"] % global_batch:
             saved = state["world_size"] * state["batch_size"]
-            same_steps = f"--batch_size {saved}" if split_batches else f"{state['world_size']} processes and --batch_size {state['batch_size']}"
+            same_steps = (f"--batch_size {saved} (its steps of {saved})" if split_batches else
+                          f"{state['world_size']} processes and --batch_size {state['batch_size']} (its steps of {saved})")
+            if split_batches and saved % self.accelerator.num_processes:  # nor would that batch split across this run's processes
+                same_steps += f" on a number of processes that divides {saved}, such as its {state['world_size']}"
             raise UserError(
                 f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']}, which is not a whole "
-                f"number of this run's steps of {global_batch} samples: resume with {same_steps} (its steps of {saved}), "
+                f"number of this run's steps of {global_batch} samples: resume with {same_steps}, "
                 "or from an epoch checkpoint.", every_process=True)
         return state["samples_done"] // global_batch
 

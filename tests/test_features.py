@@ -238,7 +238,13 @@ def test_resume_with_another_process_count(data_dir, tmp_path):
                                   "--resume_from_checkpoint", path), cwd=tmp_path, check=False)
     assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
     assert "stopped 400 samples into epoch 2, which is not a whole number of this run's steps of 30 samples: " \
-           "resume with --batch_size 50 (its steps of 50)" in mismatch.stderr
+           "resume with --batch_size 50 (its steps of 50), or from an epoch checkpoint." in mismatch.stderr
+    # At 3 processes, which cannot split the checkpoint's batch of 50, the advice says so.
+    mismatch = run(script_command("cpu_gloo.py", "--output_dir", tmp_path / "mismatch", *flags, "--batch_size", "30",
+                                  "--resume_from_checkpoint", path, num_processes=3), cwd=tmp_path, check=False)
+    assert mismatch.returncode == 1 and mismatch.stderr.count("error: ") == 1, mismatch.stderr[-3000:]
+    assert "resume with --batch_size 50 (its steps of 50) on a number of processes that divides 50, such as its 2, " \
+           "or from an epoch checkpoint." in mismatch.stderr
 
 
 # -- --max_train_steps ------------------------------------------------------------------------------
