@@ -151,6 +151,10 @@ class Checkpoints:
         if max_train_steps and (trained > max_train_steps or (trained == max_train_steps and saved_model)):
             raise UserError(f"The run in {self.output_dir} already trained {trained} steps: pass a "
                             "larger --max_train_steps to train further, or start a new run in another --output_dir.")
+        if max_train_steps and trained < max_train_steps and state["epoch"] > self.num_epochs:  # else it would stop short, untrained
+            raise UserError(f"The checkpoint to resume is in epoch {state['epoch']} at step {trained}, past the {self.num_epochs} epochs "
+                            f"of this run's steps that reach --max_train_steps {max_train_steps}: resume with the --batch_size and "
+                            "number of processes that saved it.")
         finished = max(state["epoch"] - 1, last["epoch"])
         if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "

@@ -284,6 +284,21 @@ def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes
     assert_same_records(read_metrics(full), read_metrics(killed), rel=1e-6)
 
 
+def test_a_max_train_steps_resume_at_a_batch_whose_epochs_end_before_the_checkpoint_is_refused(data_dir, tmp_path):
+    """The epoch checkpoint of step 40 (epoch 2 next, at 40 steps of 50 an epoch), resumed at --batch_size 10:
+    200 steps an epoch, so --max_train_steps 50 fits in one, which the checkpoint is past. Before, the
+    resume trained nothing and saved the weights of step 40 as the model of a 50-step run."""
+    flags = ["--data_dir", data_dir, "--max_train_steps", "50", "--checkpointing_steps", "epoch"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags, "--batch_size", "50")
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved: the folder can be resumed
+    refused = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--batch_size", "10", "--resume_from_checkpoint",
+                                 "latest"), cwd=tmp_path, check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert ("The checkpoint to resume is in epoch 2 at step 40, past the 1 epochs of this run's steps that reach --max_train_steps 50: "
+            "resume with the --batch_size and number of processes that saved it.") in refused.stderr
+    assert not (run_dir / "model.safetensors").exists()
+
+
 def test_a_step_checkpoint_after_an_epochs_ragged_last_batch_resumes_at_another_batch_size(data_dir, tmp_path):
     """2000 samples in batches of 48 are 42 batches an epoch, the last of 32. A step checkpoint after
     the last holds the whole epoch: a resume at --batch_size 50 goes on as from the epoch checkpoint
