@@ -116,7 +116,8 @@ def main(argv=None):
     # prepare() wraps the model in DDP (or FSDP), moves it to the device and shards the DataLoaders
     # across the processes (the in-memory loader shards itself the same way and passes through).
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, test_loader, scheduler)
-    flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+    if not args.eval_only:  # which takes no step
+        flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
     # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check
     # that could stop the run before it trains, does --overwrite_output_dir delete the run it holds.
     output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,

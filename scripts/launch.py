@@ -16,6 +16,7 @@ training processes, which save and stop, also where accelerate runs one process 
 Exits 1 on failure, 143 after a stop that saved.
 """
 
+import copy
 import importlib.util
 import logging
 import os
@@ -187,6 +188,19 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
         args.local_addr = setting("main_process_ip")
 
 
+def runs_under_torchrun(args):
+    """Whether accelerate will launch under torchrun (a multi-GPU, FSDP or DeepSpeed launch, not --cpu),
+    by its own reading of the command line, the profile, and without one its default config or the GPUs."""
+    accelerate_launch.logger.disabled = True  # its notes on defaults come when it launches
+    try:
+        launch, _, _ = accelerate_launch._validate_launch_command(copy.deepcopy(args))
+    except (ValueError, ConnectionError) as error:
+        fail(f"{error} ")
+    finally:
+        accelerate_launch.logger.disabled = False
+    return (launch.multi_gpu or launch.use_fsdp or launch.use_deepspeed) and not launch.cpu
+
+
 def main():
     args = launch_command_parser().parse_args()
     if not (args.module or args.no_python or Path(args.training_script).is_file()):
@@ -202,13 +216,10 @@ def main():
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if args.max_restarts:
-        # accelerate runs a multi-GPU, FSDP or DeepSpeed launch under torchrun; any other without it, where nothing restarts.
-        under_torchrun = args.multi_gpu or args.use_fsdp or args.use_deepspeed or (
-            config is not None and config.distributed_type.value in ("MULTI_GPU", "FSDP", "DEEPSPEED"))
-        if not under_torchrun:
-            fail("--max_restarts needs torchrun, which this launch does not use (a one-process profile such as 1gpu.yaml, or "
-                 "none): pass --config_file accelerate_configs/4gpu.yaml --num_processes 1 (cpu.yaml on a machine without "
-                 "GPUs), which runs one process under torchrun.")
+        if not runs_under_torchrun(args):
+            fail("--max_restarts needs torchrun, which accelerate does not use for this launch (one process without a "
+                 "multi-GPU profile, or --cpu): launch with --config_file accelerate_configs/cpu.yaml and no --cpu (on GPUs: "
+                 "4gpu.yaml), adding --num_processes 1 for one process.")
         use_a_fresh_rendezvous_for_every_restart(args, setting)
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")

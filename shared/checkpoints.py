@@ -154,7 +154,7 @@ class Checkpoints:
         if max_train_steps and trained < max_train_steps and state["epoch"] > self.num_epochs:  # else it would stop short, untrained
             raise UserError(f"The checkpoint to resume is in epoch {state['epoch']} at step {trained}, past the {self.num_epochs} epochs "
                             f"of this run's steps that reach --max_train_steps {max_train_steps}: resume with the --batch_size and "
-                            "number of processes that saved it.")
+                            "--gradient_accumulation_steps that saved it (with --no_split_batches, its number of processes too).")
         finished = max(state["epoch"] - 1, last["epoch"])
         if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "

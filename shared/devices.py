@@ -21,17 +21,21 @@ def cpu_only():
     asked = requested and not requested.startswith("-")
     if asked or (torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")):
         require_gpus(f"This launch asks for GPUs {requested or 'all'}" + (" (a GPU profile)" if asked else ""),
-                     per_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's processes on this machine
+                     per_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),  # torchrun's processes on this machine
+                     processes=int(os.environ.get("WORLD_SIZE", "1")))
     return not torch.cuda.is_available()
 
 
-def require_gpus(launch, per_machine=1):
+def require_gpus(launch, per_machine=1, processes=1):
     """Stop with one sentence when `launch` (what asks for GPUs, as the sentence's subject) finds none,
-    or fewer than its `per_machine` processes on this machine."""
+    or fewer than its `per_machine` processes on this machine (of `processes` on all machines)."""
     if not torch.cuda.is_available():
         raise UserError(f"{launch} but PyTorch sees no GPU on this machine: launch with --config_file "
                         "accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch.", every_process=True)
-    if per_machine > torch.cuda.device_count():
-        raise UserError(f"{launch}, one for each of its {per_machine} processes on this machine, but PyTorch sees "
-                        f"{torch.cuda.device_count()}: pass --num_processes {torch.cuda.device_count()} (per machine), "
-                        f"or launch on machines with {per_machine} GPUs each.", every_process=True)
+    found = torch.cuda.device_count()  # of those the profile's gpu_ids name
+    if per_machine > found:
+        machines = max(processes // per_machine, 1)
+        fitting = f"{found * machines} ({found} on each of {machines} machines)" if machines > 1 else f"{found}"
+        raise UserError(f"{launch}, one for each of its {per_machine} processes on this machine, but PyTorch sees {found}: "
+                        f"pass --num_processes {fitting}, or train on the CPU with scripts/launch.py --config_file "
+                        "accelerate_configs/cpu.yaml.", every_process=True)

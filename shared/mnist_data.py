@@ -141,7 +141,7 @@ def _download(name, data_dir, train, transform, download):
                 f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir}`)."
             ) from None
         raise _unreadable(name, raw_folder, error) from None
-    except (ValueError, OSError, EOFError, AssertionError, TypeError) as error:  # torchvision asserts a file's header
+    except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
         raise _unreadable(name, raw_folder, error) from None
 
 

@@ -295,7 +295,8 @@ def test_a_max_train_steps_resume_at_a_batch_whose_epochs_end_before_the_checkpo
                                  "latest"), cwd=tmp_path, check=False)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert ("The checkpoint to resume is in epoch 2 at step 40, past the 1 epochs of this run's steps that reach --max_train_steps 50: "
-            "resume with the --batch_size and number of processes that saved it.") in refused.stderr
+            "resume with the --batch_size and --gradient_accumulation_steps that saved it (with --no_split_batches, its number of "
+            "processes too).") in refused.stderr
     assert not (run_dir / "model.safetensors").exists()
 
 
@@ -350,8 +351,9 @@ def test_eval_only_latest_evaluates_the_newest_weights_of_the_run(data_dir, tmp_
     """After a run that finished past its last checkpoint, `latest` is its final model.safetensors."""
     run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "2", "--checkpointing_steps", "40")
     assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_00000040"]  # the run ends at step 64
+    # The training command line, accumulation and all, evaluates: the accumulation check is training's.
     result = run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
-                                "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+                                "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "100"), cwd=tmp_path)
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["weights"] == str(run_dir / "model.safetensors")
     assert evaluation["eval_accuracy"] == read_metrics(run_dir)[-1]["eval_accuracy"]

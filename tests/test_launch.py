@@ -140,12 +140,16 @@ def test_more_processes_on_a_machine_than_its_gpus_stop_every_process_with_one_s
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with pytest.raises(UserError, match=r"^This launch asks for GPUs 0,1,2,3 \(a GPU profile\), one for each of its 4 processes on "
-                       r"this machine, but PyTorch sees 1: pass --num_processes 1 \(per machine\), or launch on machines with 4 GPUs each\.$") as stop:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UserError, match=r"^This launch asks for GPUs 0,1,2,3 \(a GPU profile\), one for each of its 4 processes on this "
+                       r"machine, but PyTorch sees 1: pass --num_processes 1, or train on the CPU with scripts/launch.py --config_file "
+                       r"accelerate_configs/cpu.yaml\.$") as stop:
         devices.cpu_only()
     assert stop.value.every_process, "every process stops with it, so each machine says it once"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # gpu_ids all: the GPUs are counted all the same
-    with pytest.raises(UserError, match="asks for GPUs all, one for each of its 4 processes"):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # gpu_ids all (2node_4gpu.yaml): the GPUs are counted all the same
+    monkeypatch.setenv("WORLD_SIZE", "8")  # accelerate's --num_processes counts the processes of every machine
+    with pytest.raises(UserError, match=r"asks for GPUs all, one for each of its 4 processes on this machine, but PyTorch sees 1: "
+                       r"pass --num_processes 2 \(1 on each of 2 machines\)"):
         devices.cpu_only()
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # cpu.yaml's processes leave the GPUs alone
     assert devices.cpu_only() is False

@@ -44,8 +44,9 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
-    shutil.copytree(root / "data", root / "garbled")
-    (root / "garbled" / "MNIST" / "raw" / "train-images-idx3-ubyte").write_text("not the IDX format of MNIST's files\n")
+    for name, header in (("garbled", b"not the IDX format of MNIST's files\n"), ("garbled_type", b"\x00\x00\x0a\x01\x00\x00\x00\x01\x00")):
+        shutil.copytree(root / "data", root / name)  # no MNIST header; an IDX type (10) that torchvision does not know
+        (root / name / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(header)
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
@@ -101,6 +102,9 @@ MISTAKES = {
     "data file in no MNIST format, torchvision pipeline": (
         lambda p: python_command("cpu_gloo.py", "--data_dir", p / "garbled", "--data_pipeline", "torchvision", "--output_dir", p / "fresh"),
         "could not be read"),
+    "data file of an IDX type torchvision does not know, torchvision pipeline": (
+        lambda p: python_command("cpu_gloo.py", "--data_dir", p / "garbled_type", "--data_pipeline", "torchvision", "--output_dir", p / "fresh"),
+        "could not be read"),
     "dataset_name without the hub source": (lambda p: cpu_gloo(p, "--dataset_name", "zalando-datasets/fashion_mnist"),
                                             "argument --dataset_name does nothing without --dataset_source hub"),
     "seed beyond numpy's": (lambda p: cpu_gloo(p, "--seed", str(2**32)), "argument --seed: must be from 0 to 4294967295, the seeds numpy takes"),
@@ -151,9 +155,13 @@ MISTAKES = {
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
     "restarts asked of a launch without torchrun": (lambda p: launch("--config_file", p / "one_process.yaml", "--max_restarts", "1",
                                                                     SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
-                                                     "--max_restarts needs torchrun, which this launch does not use"),
-    "restarts asked of a launch without a profile": (lambda p: launch("--max_restarts", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
-                                                     "pass --config_file accelerate_configs/4gpu.yaml --num_processes 1 (cpu.yaml on a machine"),
+                                                     "--max_restarts needs torchrun, which accelerate does not use for this launch"),
+    "restarts asked of a launch without a profile, on a machine without GPUs": (
+        lambda p: launch("--max_restarts", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+        "launch with --config_file accelerate_configs/cpu.yaml and no --cpu (on GPUs: 4gpu.yaml), adding --num_processes 1"),
+    "restarts asked of a launch with --cpu, which accelerate runs without torchrun": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--cpu", "--max_restarts", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+        "--max_restarts needs torchrun, which accelerate does not use for this launch (one process without a multi-GPU profile, or --cpu)"),
     "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
                                    "already finished 2 epochs: pass a larger --num_epochs"),
     "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),
