@@ -68,8 +68,12 @@ def _from_hub(hub_name, data_dir, transform, download):
     import datasets as hub  # only this path needs it
 
     # A process that must not download reads the cache that its machine's first process filled. datasets
-    # 5 ignores DownloadConfig(local_files_only=True) and asks the Hub all the same; its offline mode does not.
-    offline, hub.config.HF_HUB_OFFLINE = hub.config.HF_HUB_OFFLINE, hub.config.HF_HUB_OFFLINE or not download
+    # 5 ignores DownloadConfig(local_files_only=True) and asks the Hub all the same; its offline mode does
+    # not (and says so, in two warnings, which the other processes need not repeat).
+    offline, verbosity = hub.config.HF_HUB_OFFLINE, hub.logging.get_verbosity()
+    if not download:
+        hub.config.HF_HUB_OFFLINE = True
+        hub.logging.set_verbosity_error()
     try:
         splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
         return tuple(
@@ -85,6 +89,7 @@ def _from_hub(hub_name, data_dir, transform, download):
         ) from None
     finally:
         hub.config.HF_HUB_OFFLINE = offline
+        hub.logging.set_verbosity(verbosity)
 
 
 def _per_sample_transform(stats):

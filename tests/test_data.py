@@ -2,6 +2,7 @@
 order in which processes download."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
-from synthetic_digits import write_small_mnist
+from synthetic_digits import write_hub_dataset, write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
 
@@ -82,17 +83,34 @@ def test_a_failed_download_stops_every_rank_with_its_sentence(tmp_path):
     assert [line for line in result.stderr.splitlines() if "error: " in line] == [f"error: {records[0]['error']}"]
 
 
+def write_hub_cache(data_dir, tmp_path):
+    """<data_dir>/huggingface as the download of a Hub data set "someone/mnist" leaves it: datasets' cache
+    of a local Parquet copy, moved to the folder and file names of that Hub name."""
+    import datasets
+
+    source = write_hub_dataset(tmp_path / "parquet", num_train=40, num_test=10)
+    cache = data_dir / "huggingface"
+    datasets.load_dataset(str(source), cache_dir=str(cache))
+    built = next(cache.glob("parquet/*/*/*/dataset_info.json")).parent  # parquet/<config>/<version>/<hash>
+    target = cache / "someone___mnist" / "default" / built.parent.name / built.name
+    shutil.move(built, target)
+    info = json.loads((target / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps(info | {"config_name": "default"}))
+    for arrow in target.glob("parquet-*.arrow"):
+        arrow.rename(arrow.with_name(arrow.name.replace("parquet-", "mnist-")))
+
+
 def test_only_a_process_that_downloads_asks_the_hub(tmp_path):
-    """The processes that load after their machine's first read its cache and send the Hub nothing
-    (datasets 5 ignores DownloadConfig(local_files_only=True), so each asked the Hub). The Hub here is
-    a stand-in that counts connections; that the cache is then read is datasets' offline mode, which
-    needs a real Hub data set in the cache to show."""
-    found = {}
+    """The processes that load after their machine's first read its cache and send the Hub nothing,
+    quietly (datasets 5 ignores DownloadConfig(local_files_only=True), so each asked the Hub). The Hub
+    here is a stand-in that counts connections; the cache, one made as its download would."""
     online = {name: value for name, value in script_env().items() if name != "HF_HUB_OFFLINE"}  # the Hub is the probe's own
-    for how in ("--download", "--read"):
-        result = run([sys.executable, PROBES / "hub_requests.py", tmp_path / how.strip("-"), how], cwd=tmp_path, env=online,
+    write_hub_cache(tmp_path / "cached", tmp_path)
+    found = {}
+    for how, data in (("--download", "empty"), ("--read", "cached")):
+        result = run([sys.executable, PROBES / "hub_requests.py", tmp_path / data, how], cwd=tmp_path, env=online,
                      new_interpreter=True)  # one that imports datasets after the probe has set HF_ENDPOINT
-        found[how] = json.loads(result.stdout.splitlines()[-1])
-        assert found[how]["error"].startswith("someone/mnist could not be loaded from the Hugging Face Hub")
+        found[how] = json.loads(result.stdout.splitlines()[-1]) | {"stderr": result.stderr}
     assert found["--download"]["connections"] > 0, "the stand-in sees a process that asks"
-    assert found["--read"]["connections"] == 0
+    assert found["--download"]["error"].startswith("someone/mnist could not be loaded from the Hugging Face Hub")
+    assert found["--read"] == {"connections": 0, "samples": [40, 10], "stderr": ""}

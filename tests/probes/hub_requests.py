@@ -1,5 +1,6 @@
 """Load a Hub data set through shared/mnist_data.py against a stand-in Hub: a socket of ours that
-counts the connections made to it and closes each at once. Prints that count as JSON.
+counts the connections made to it and closes each at once. Prints that count as JSON, with the
+sizes of the splits loaded or the sentence that says why none were.
 
     python hub_requests.py DATA_DIR --download|--read
 """
@@ -28,6 +29,9 @@ from shared import mnist_data  # noqa: E402
 from shared.errors import UserError  # noqa: E402
 
 try:
-    mnist_data.load("MNIST", sys.argv[1], download=sys.argv[2] == "--download", source="hub", hub_name="someone/mnist", pipeline="memory")
-except UserError as error:  # no such data set at the stand-in, nor in the empty cache
+    splits = mnist_data.load("MNIST", sys.argv[1], download=sys.argv[2] == "--download", source="hub", hub_name="someone/mnist",
+                             pipeline="memory")
+except UserError as error:  # no such data set at the stand-in, nor in an empty cache
     print(json.dumps({"connections": len(connections), "error": str(error)}))
+else:
+    print(json.dumps({"connections": len(connections), "samples": [len(split) for split in splits]}))
