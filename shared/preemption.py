@@ -10,8 +10,10 @@ second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is w
 A process blocked in a collective that never completes (a peer gone or stuck) never runs Python's
 signal handlers, which wait for the main thread. A thread of its own wakes at the signal instead
 (Python's C-level handler writes the signal's number to the wakeup fd even then) and, when the main
-thread has stood at the same line for GRACE_S seconds since (evaluating or saving, it moves on; blocked
-in C, it does not) and no stop was agreed, ends the process with one line, before torchrun kills it.
+thread has stood at the same line for GRACE_S seconds since (evaluating, it moves on; blocked in C, it
+does not) and no stop was agreed, ends the process with one line, before torchrun kills it. Writing or
+reading a checkpoint or the model (safetensors writes a whole file in one C call), or waiting while
+another process does, is busy however long one line takes: a slow save after a signal completes.
 """
 
 import signal
@@ -28,6 +30,8 @@ class Preemption:
 
     CHECK_EVERY = 10
     GRACE_S = 30  # inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing
+    # The functions inside which the main thread is busy, not stuck: accelerate's and the scripts' saves and loads.
+    BUSY_IN = {"save_state", "load_state", "save_model", "saving", "if_write_fails"}
 
     def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
@@ -54,7 +58,7 @@ class Preemption:
         while not self.agreed:
             frame = sys._current_frames().get(main)
             here = (frame.f_code, frame.f_lineno) if frame else None
-            if here != where:  # the main thread moved on
+            if here != where or self._busy(frame):  # the main thread moved on, or is saving
                 where, since = here, time.monotonic()
             elif time.monotonic() - since > self.GRACE_S:
                 print(f"[rank {self.accelerator.process_index}] stopped: {self.GRACE_S} s after a signal to stop, this process "
@@ -62,3 +66,10 @@ class Preemption:
                       "'latest'.", file=sys.stderr, flush=True)
                 exit_now(STOPPED_EXIT_CODE)
             time.sleep(0.5)
+
+    def _busy(self, frame):
+        while frame is not None:
+            if frame.f_code.co_name in self.BUSY_IN:
+                return True
+            frame = frame.f_back
+        return False

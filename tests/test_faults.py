@@ -347,11 +347,11 @@ def test_machines_launched_with_different_profiles_stop_before_the_first_step(sm
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
-def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
-    """With checkpointing on, SIGTERM only marks a stop that the processes agree on at their next
-    check; a process blocked in a collective that never completes would never get there. Each ends
-    with one line soon after the signal instead (the probe waits 3 s; the scripts 20)."""
-    command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py", tmp_path]
+def signal_the_probe_in_place(tmp_path, *flags):
+    """Launch 2 processes of the stuck_in_collective probe, SIGTERM both once they are in place; the
+    seconds from the signal to the launcher's end, its exit code and its stderr."""
+    command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
+               tmp_path, *flags]
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -359,12 +359,29 @@ def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.05)
     assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
-    time.sleep(0.5)  # rank 1 is inside the barrier
+    time.sleep(0.5)  # rank 1 is inside the barrier, or both in their save
     workers = [process for process in psutil.Process(job.pid).children(recursive=True)
                if "stuck_in_collective" in " ".join(process.cmdline()) and "RANK" in process.environ()]
     signalled = time.monotonic()
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=30)
-    assert time.monotonic() - signalled < 15 and job.returncode == 143, stderr
+    return time.monotonic() - signalled, job.returncode, stderr
+
+
+def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
+    """With checkpointing on, SIGTERM only marks a stop that the processes agree on at their next
+    check; a process blocked in a collective that never completes would never get there. Each ends
+    with one line soon after the signal instead (the probe waits 3 s; the scripts 30)."""
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path)
+    assert seconds < 15 and returncode == 143, stderr
     assert stderr.count("s after a signal to stop, this process was still waiting on another") == 2, stderr
+
+
+def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
+    """A process inside a save after the signal is busy, not stuck, however long its one line takes (as
+    safetensors writes a whole file in one call): both finish their 6 s save, past the probe's 3 s."""
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path, "--slow_save")
+    assert returncode == 0 and "after a signal to stop" not in stderr, stderr
+    assert sorted(path.name for path in tmp_path.glob("saved_*")) == ["saved_0", "saved_1"]
+    assert seconds > 3, "the save outlasted the grace"
