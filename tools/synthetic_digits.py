@@ -11,7 +11,9 @@ learning (tools/offline_mnist.py writes 5,000 real digits for that).
 import argparse
 
 import numpy as np
-from mnist_files import write_mnist_layout
+from mnist_files import refuse_to_replace, write_mnist_layout
+
+from shared.flags import positive_int
 
 
 def learnable_digits(num_samples, seed):
@@ -47,10 +49,14 @@ def write_hub_dataset(folder, num_train=400, num_test=100, seed=0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="data_synthetic", help="folder to pass as --data_dir to the scripts")
-    parser.add_argument("--num_train", type=int, default=2000)
-    parser.add_argument("--num_test", type=int, default=200)
+    parser.add_argument("--num_train", type=positive_int, default=2000)
+    parser.add_argument("--num_test", type=positive_int, default=200)
+    parser.add_argument("--name", choices=["MNIST", "FashionMNIST"], default=None, help="one data set's folder (default: both)")
     args = parser.parse_args()
-    for name in ("MNIST", "FashionMNIST"):
+    names = [args.name] if args.name else ["MNIST", "FashionMNIST"]
+    for name in names:
+        refuse_to_replace(args.data_dir, name)
+    for name in names:
         folder = write_small_mnist(args.data_dir, name, args.num_train, args.num_test)
         print(f"wrote {args.num_train} training and {args.num_test} test synthetic digits to {folder}")
 
