@@ -156,7 +156,8 @@ def main(argv=None):
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
     log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
     if args.with_tracking:
-        accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
+        with tracking.starting(args.report_to):  # every process: a tracker that fails to start stops all in a sentence
+            accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step
     # --profile: torch.profiler records a window of steps on every process and writes their traces.

@@ -1,11 +1,14 @@
 """Experiment trackers (--with_tracking --report_to): what the Accelerator logs to, with their stores
 under --output_dir."""
 
+import contextlib
 import os
 from pathlib import Path
 
 from accelerate.utils import ProjectConfiguration
 
+from shared import stop_together
+from shared.errors import first_line
 from shared.run_folder import MLFLOW_ARTIFACTS, MLFLOW_DB, TENSORBOARD_FOLDER
 
 
@@ -30,6 +33,20 @@ def init_kwargs(output_dir):
     """init_trackers' init_kwargs: MLflow's artifacts under output_dir too (accelerate gives its MLflow
     tracker no folder, and MLflow's default is ./mlruns of wherever the run started)."""
     return {"mlflow": {"logging_dir": str(Path(output_dir).resolve() / MLFLOW_ARTIFACTS)}}
+
+
+@contextlib.contextmanager
+def starting(report_to):
+    """Every process must enter this, around accelerator.init_trackers, which starts the trackers on the
+    main process alone: one that fails to start (a server down, a store it cannot make) stops every
+    process with one sentence, not a traceback on one and a wait on the others."""
+    error = None
+    try:
+        yield
+    except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
+        error = (f"--report_to {report_to or 'tensorboard'} could not start its tracker ({first_line(failure)}): fix what it "
+                 "names (MLFLOW_TRACKING_URI, where you set it), or train without --with_tracking.")
+    stop_together.if_any_failed(error)
 
 
 def hyperparameters(flags):
