@@ -96,10 +96,11 @@ def _take(output_dir, replace, resuming):
             + ("continue it with --resume_from_checkpoint latest, " if checkpoints_in(output_dir / CHECKPOINT_FOLDER) else "")
             + "choose another --output_dir, or pass --overwrite_output_dir to replace it."
         )
-    if replace:
-        for name in earlier:
-            (output_dir / name).unlink()
-        shutil.rmtree(output_dir / CHECKPOINT_FOLDER, ignore_errors=True)
+    if replace:  # all that a run writes here, by the names above: a trace or tracker log left behind would mix with this run's
+        for name in (METRICS_FILE, MODEL_FILE, EVAL_FILE, MLFLOW_DB):
+            (output_dir / name).unlink(missing_ok=True)
+        for name in (CHECKPOINT_FOLDER, PROFILE_FOLDER, TENSORBOARD_FOLDER, MLFLOW_ARTIFACTS):
+            shutil.rmtree(output_dir / name, ignore_errors=True)
     return _holder(output_dir)
 
 

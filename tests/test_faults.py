@@ -307,8 +307,14 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
         for process in [*launcher.children(recursive=True), launcher]:
             process.kill()
         live.communicate()
+    # What an earlier run's --eval_only, --profile (at more processes) and --with_tracking left goes with it too.
+    earlier = [output_dir / "eval.json", output_dir / "profile" / "trace_rank3.json", output_dir / "tensorboard" / "events.out.tfevents.1"]
+    for path in earlier:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("{}")
     run(training_command(num_processes, *args[:-4], "--num_epochs", "1", "--overwrite_output_dir"), cwd=tmp_path)
     assert [r["epoch"] for r in read_metrics(output_dir)] == [1]
+    assert not any(path.parent.exists() if path.parent != output_dir else path.exists() for path in earlier)
 
 
 def test_machines_started_differently_stop_before_the_first_step(small_data, tmp_path):
