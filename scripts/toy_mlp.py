@@ -105,6 +105,8 @@ def main(argv=None):
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed))
     set_seed(args.seed)
     output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():  # found now, not after training
+        raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.", every_process=True)
     if (output_dir / "metrics.jsonl").exists() or (output_dir / "model.safetensors").exists():  # never write over earlier results
         raise UserError(f"--output_dir {output_dir} already holds a run: choose another --output_dir.", every_process=True)
     # --batch_size rows per step, split across the processes: any world size takes the same steps on the same rows.
