@@ -5,18 +5,24 @@ import contextlib
 import os
 from pathlib import Path
 
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, is_mlflow_available, is_tensorboard_available
 
 from shared import stop_together
-from shared.errors import first_line
+from shared.errors import UserError, first_line
 from shared.run_folder import MLFLOW_ARTIFACTS, MLFLOW_DB, TENSORBOARD_FOLDER
 
 
 def log_with(with_tracking, report_to):
-    """The Accelerator's log_with: no tracker unless --with_tracking; TensorBoard unless --report_to says otherwise."""
+    """The Accelerator's log_with: no tracker unless --with_tracking; TensorBoard unless --report_to says
+    otherwise. Stops with a sentence where the tracker's package is not installed."""
     if not with_tracking:
         return None
-    return ["tensorboard", "mlflow"] if report_to == "all" else [report_to or "tensorboard"]
+    trackers = ["tensorboard", "mlflow"] if report_to == "all" else [report_to or "tensorboard"]
+    for tracker, available in (("tensorboard", is_tensorboard_available), ("mlflow", is_mlflow_available)):
+        if tracker in trackers and not available():  # else accelerate leaves it out, and the run records nothing
+            raise UserError(f"--report_to {tracker} needs the {tracker} package, which is not installed here: pip install {tracker}, "
+                            "or train without --with_tracking.", every_process=True)
+    return trackers
 
 
 def project_config(output_dir, trackers):

@@ -108,6 +108,20 @@ def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_di
     assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
 
 
+def test_a_tracker_whose_package_is_missing_is_named_not_left_out(monkeypatch):
+    """A stand-in for an environment without mlflow (this one has it): it assumes only that accelerate's
+    own check then says so, as it would there; accelerate would leave the tracker out without a word."""
+    from shared import tracking
+    from shared.errors import UserError
+
+    monkeypatch.setattr(tracking, "is_mlflow_available", lambda: False)
+    assert tracking.log_with(True, "tensorboard") == ["tensorboard"]
+    with pytest.raises(UserError, match=r"^--report_to mlflow needs the mlflow package, which is not installed here: "
+                       r"pip install mlflow, or train without --with_tracking\.$") as stop:
+        tracking.log_with(True, "all")
+    assert stop.value.every_process
+
+
 @pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
 def test_a_communication_hook_compresses_what_ddp_sends(hook, two_process_run, data_dir, tmp_path):
     """fp16 rounds every averaged gradient to half precision; PowerSGD sends a rank-1 approximation with
