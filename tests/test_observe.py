@@ -98,6 +98,17 @@ def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_pat
     assert not (short / "profile").exists()
 
 
+def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
+    """A trace that a run killed while writing it left cut short ends each tool in one line naming it."""
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "trace_rank0.json").write_text('{"traceEvents": [{"name": "ProfilerStep#3", ')
+    for tool in ("step_time.py", "plot_trace.py"):
+        result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith(f"error: {tmp_path / 'profile' / 'trace_rank0.json'} could not be read as a trace ("), result.stderr
+        assert result.stderr.strip().endswith("): profile the run again, or pass another profile folder.")
+
+
 def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

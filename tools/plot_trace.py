@@ -9,11 +9,10 @@ communication thread ran (gloo's or NCCL's), on the same time axis from the step
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from step_time import backward_span, host_steps
+from step_time import backward_span, host_steps, read_trace
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
@@ -58,7 +57,7 @@ def main():
 
     figure, axes = plt.subplots(len(traces), 1, figsize=(12, 1.6 * len(traces) + 0.6), squeeze=False)
     for axis, path in zip(axes[:, 0], traces):
-        length, phases = last_step(json.loads(path.read_text()))
+        length, phases = last_step(read_trace(path))
         for row, names in ((1, ("forward", "backward", "optimizer")), (0, ("all-reduce",))):
             for name in names:
                 axis.broken_barh(phases[name], (row - 0.35, 0.7), color=COLORS[name], label=name)

@@ -108,12 +108,20 @@ def table(rows, folder):
     return "\n".join(lines)
 
 
+def read_trace(path):
+    """A Chrome trace that --profile wrote, or a one-sentence exit naming the file that is no trace."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # cut short by a killed run, or not JSON
+        sys.exit(f"error: {path} could not be read as a trace ({error}): profile the run again, or pass another profile folder.")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the profile folder of a run that --profile recorded (<output_dir>/profile)")
     folder = parser.parse_args().folder
     traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
-    rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(json.loads(path.read_text()))} for path in traces]
+    rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(read_trace(path))} for path in traces]
     if not rows or not rows[0]["steps"]:
         sys.exit(f"error: {folder} holds no trace with a recorded step: pass the profile folder of a run trained with --profile.")
     (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
