@@ -50,12 +50,7 @@ def run_main(main):
             main()
             gc.collect()
         except UserError as error:
-            remove_what_the_failed_run_made()
-            print_traceback_if_asked()
-            # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
-            if rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
-                print(f"error: {error}", file=sys.stderr, flush=True)
-            leave_process_group_together()
+            end_in_its_sentence(error)
             if rank and not error.every_process:
                 # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank
                 # that fails alone still speaks.
@@ -85,6 +80,27 @@ def run_main(main):
         if rank == 0:
             print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
         exit_now(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
+
+
+def in_notebook(main):
+    """main, for accelerate's notebook_launcher, which every process it starts calls: a UserError ends in
+    its one sentence, as under run_main, not in a traceback of every process; the cell then ends."""
+    def run(*args):
+        try:
+            main(*args)
+        except UserError as error:
+            end_in_its_sentence(error)
+    return run
+
+
+def end_in_its_sentence(error):
+    """Remove what the failed run made, say the UserError's sentence once, and leave the process group."""
+    remove_what_the_failed_run_made()
+    print_traceback_if_asked()
+    # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
+    if int(os.environ.get("RANK", "0")) == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    leave_process_group_together()
 
 
 def print_traceback_if_asked():

@@ -136,20 +136,32 @@ def test_the_scripts_import_the_top_level_shared_that_the_set_up_installed(tmp_p
         assert "sys.path" not in path.read_text(), path
 
 
-def test_toy_mlp_from_a_notebook_cell_with_notebook_launcher(tmp_path):
-    """The README's notebook cell, run as a fresh interpreter would run it."""
+def test_toy_mlp_from_a_notebook_cell_in_a_jupyter_kernel(tmp_path):
+    """The docs' notebook cell, run twice in a real Jupyter kernel (nbclient, ipykernel): the first trains
+    as 2 processes; the second, into the same folder, ends in the one sentence, not a traceback of each."""
+    import nbformat
+    from nbclient import NotebookClient
+
     cell = f"""
 import sys
-sys.path.insert(0, {str(SCRIPTS)!r})
+sys.path.insert(0, {str(SCRIPTS)!r})          # the folder that holds toy_mlp.py
 from accelerate import notebook_launcher
+from shared.errors import in_notebook
 from toy_mlp import main
-notebook_launcher(main, args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)
+
+notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)
 """
-    run([sys.executable, "-c", cell], cwd=tmp_path)
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell(cell)])
+    NotebookClient(notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     records = read_metrics(tmp_path / "run")
     assert records[-1]["world_size"] == 2
     assert records[-1]["eval_accuracy"] == 1.0 and records[-1]["train_eval_accuracy"] == 1.0
     assert torch.equal(torch.tensor([r["eval_samples"] for r in records]), torch.tensor([2, 2, 2]))
+    again = notebook.cells[1].outputs
+    assert all(output.output_type == "stream" for output in again), "the cell raised nothing"
+    stderr = "".join(output.text for output in again if output.name == "stderr")
+    assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
+        f"error: --output_dir {tmp_path / 'run'} already holds a run: choose another --output_dir."], stderr
 
 
 @pytest.mark.smoke
