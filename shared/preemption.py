@@ -13,7 +13,7 @@ signal handlers, which wait for the main thread. A thread of its own wakes at th
 thread has stood at the same line for GRACE_S seconds since (evaluating, it moves on; blocked in C, it
 does not) and no stop was agreed, ends the process with one line, before torchrun kills it. Writing or
 reading a checkpoint or the model (safetensors writes a whole file in one C call), or waiting while
-another process does, is busy however long one line takes: a slow save after a signal completes.
+another process does, may stand at one line up to BUSY_LIMIT_S instead: a slow save after a signal completes.
 """
 
 import signal
@@ -30,8 +30,10 @@ class Preemption:
 
     CHECK_EVERY = 10
     GRACE_S = 30  # inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing
-    # The functions inside which the main thread is busy, not stuck: accelerate's and the scripts' saves and loads.
+    # The functions inside which the main thread is busy, not stuck: accelerate's and the scripts' saves and loads,
+    # which may stand at one line up to BUSY_LIMIT_S (a peer lost in the middle of one leaves it there for good).
     BUSY_IN = {"save_state", "load_state", "save_model", "saving", "if_write_fails"}
+    BUSY_LIMIT_S = 80
 
     def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
@@ -58,10 +60,11 @@ class Preemption:
         while not self.agreed:
             frame = sys._current_frames().get(main)
             here = (frame.f_code, frame.f_lineno) if frame else None
-            if here != where or self._busy(frame):  # the main thread moved on, or is saving
+            limit = self.BUSY_LIMIT_S if self._busy(frame) else self.GRACE_S
+            if here != where:  # the main thread moved on
                 where, since = here, time.monotonic()
-            elif time.monotonic() - since > self.GRACE_S:
-                print(f"[rank {self.accelerator.process_index}] stopped: {self.GRACE_S} s after a signal to stop, this process "
+            elif time.monotonic() - since > limit:
+                print(f"[rank {self.accelerator.process_index}] stopped: {limit} s after a signal to stop, this process "
                       "was still waiting on another, so it could not save a checkpoint; the newest complete one stays "
                       "'latest'.", file=sys.stderr, flush=True)
                 exit_now(STOPPED_EXIT_CODE)

@@ -356,6 +356,7 @@ def test_machines_launched_with_different_profiles_stop_before_the_first_step(sm
 def signal_the_probe_in_place(tmp_path, *flags):
     """Launch 2 processes of the stuck_in_collective probe, SIGTERM both once they are in place; the
     seconds from the signal to the launcher's end, its exit code and its stderr."""
+    tmp_path.mkdir(exist_ok=True)
     command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
                tmp_path, *flags]
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -385,9 +386,13 @@ def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
 
 
 def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
-    """A process inside a save after the signal is busy, not stuck, however long its one line takes (as
-    safetensors writes a whole file in one call): both finish their 6 s save, past the probe's 3 s."""
-    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path, "--slow_save")
+    """A process inside a save after the signal is busy, not stuck, while its one line takes less than
+    BUSY_LIMIT_S (as safetensors writes a whole file in one call): both finish their 6 s save, past the
+    probe's 3 s grace. A save that never ends (its peer lost) ends at the probe's 10 s limit."""
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path / "slow", "--slow_save")
     assert returncode == 0 and "after a signal to stop" not in stderr, stderr
-    assert sorted(path.name for path in tmp_path.glob("saved_*")) == ["saved_0", "saved_1"]
+    assert sorted(path.name for path in (tmp_path / "slow").glob("saved_*")) == ["saved_0", "saved_1"]
     assert seconds > 3, "the save outlasted the grace"
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path / "stuck", "--stuck_save")
+    assert 10 < seconds < 25 and returncode == 143, stderr
+    assert stderr.count("10 s after a signal to stop, this process was still waiting on another") == 2, stderr

@@ -4,7 +4,7 @@ process writes `waiting` under its folder once it is in place, then waits for a 
 
 With --slow_save every process instead spends 6 s in one C call inside a function named save_state, as
 accelerator.save_state spends writing a large checkpoint (the probe assumes only that name and the
-one long call), then writes `saved`."""
+one long call), then writes `saved`; with --stuck_save it stays there, as a save whose peer is lost would."""
 
 import sys
 import time
@@ -17,17 +17,17 @@ from shared.errors import run_main
 from shared.preemption import Preemption
 
 
-def save_state():
-    time.sleep(6)  # one C call, twice the probe's GRACE_S
+def save_state(seconds):
+    time.sleep(seconds)  # one C call
 
 
 def main():
     accelerator = Accelerator(cpu=cpu_only())
-    Preemption.GRACE_S = 3  # the tests' wait; training runs keep the default
+    Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 3, 10  # the tests' waits; training runs keep the defaults
     Preemption(accelerator, enabled=True)
     (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
-    if "--slow_save" in sys.argv:
-        save_state()
+    if "--slow_save" in sys.argv or "--stuck_save" in sys.argv:
+        save_state(6 if "--slow_save" in sys.argv else 600)  # past the probe's GRACE_S, within its BUSY_LIMIT_S; or never done
         (Path(sys.argv[1]) / f"saved_{accelerator.process_index}").write_text("saved")
     elif accelerator.is_main_process:
         time.sleep(600)  # Python code: its signal handler runs, and sleep goes on after it (PEP 475)
