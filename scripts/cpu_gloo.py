@@ -156,7 +156,7 @@ def main(argv=None):
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
     log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
     if args.with_tracking:
-        with tracking.starting(args.report_to):  # every process: a tracker that fails to start stops all in a sentence
+        with tracking.starting(accelerator, output_dir, args.report_to):  # every process: a tracker that fails to start stops all
             accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
 
     step = start.global_step

@@ -3,6 +3,7 @@ under --output_dir."""
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 from accelerate.utils import ProjectConfiguration, is_mlflow_available, is_tensorboard_available
@@ -42,16 +43,24 @@ def init_kwargs(output_dir):
 
 
 @contextlib.contextmanager
-def starting(report_to):
+def starting(accelerator, output_dir, report_to):
     """Every process must enter this, around accelerator.init_trackers, which starts the trackers on the
     main process alone: one that fails to start (a server down, a store it cannot make) stops every
-    process with one sentence, not a traceback on one and a wait on the others."""
+    process with one sentence, not a traceback on one and a wait on the others. The trackers started
+    before it are closed, and the stores they made in output_dir removed (a resumed run's stay)."""
+    stores = [Path(output_dir) / name for name in (TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)]
+    there_before = [store.exists() for store in stores]
     error = None
     try:
         yield
     except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
         error = (f"--report_to {report_to or 'tensorboard'} could not start its tracker ({first_line(failure)}): fix what it "
                  "names (MLFLOW_TRACKING_URI, where you set it), or train without --with_tracking.")
+        for tracker in accelerator.trackers:
+            with contextlib.suppress(Exception):  # it is being given up
+                tracker.finish()
+        for store in (store for store, there in zip(stores, there_before) if not there and store.exists()):
+            shutil.rmtree(store) if store.is_dir() else store.unlink()
     stop_together.if_any_failed(error)
 
 

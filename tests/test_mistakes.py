@@ -115,11 +115,12 @@ MISTAKES = {
         lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", p / "earlier" / "model.safetensors", output="earlier"),
         "model.safetensors is a file, not a checkpoint folder: resume training from a folder under <output_dir>/checkpoints/ or 'latest', "
         "or evaluate a model file with --eval_only"),
+    # TensorBoard starts first, then MLflow fails: the folder TensorBoard made goes too.
     "a tracker that cannot start, 2 processes": (
         lambda p: ["env", "MLFLOW_TRACKING_URI=sqlite:////proc/nope/mlflow.db", *launch(
             "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
-            "--output_dir", p / "fresh", "--with_tracking", "--report_to", "mlflow")],
-        "--report_to mlflow could not start its tracker ([Errno 2] No such file or directory: '/proc/nope'): fix what it names"),
+            "--output_dir", p / "fresh", "--with_tracking", "--report_to", "all")],
+        "--report_to all could not start its tracker ([Errno 2] No such file or directory: '/proc/nope'): fix what it names"),
     "report_to without with_tracking": (lambda p: cpu_gloo(p, "--report_to", "mlflow"), "argument --report_to does nothing without --with_tracking"),
     "keep_last_checkpoints without checkpointing_steps": (lambda p: cpu_gloo(p, "--keep_last_checkpoints", "2"),
                                                           "argument --keep_last_checkpoints does nothing without --checkpointing_steps"),
