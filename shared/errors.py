@@ -51,11 +51,6 @@ def run_main(main):
             gc.collect()
         except UserError as error:
             end_in_its_sentence(error)
-            if rank and not error.every_process:
-                # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank
-                # that fails alone still speaks.
-                time.sleep(3)
-                print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
             sys.exit(1)
         except Stopped as stopped:
             if rank == 0:
@@ -90,17 +85,25 @@ def in_notebook(main):
             main(*args)
         except UserError as error:
             end_in_its_sentence(error)
+            if not error.every_process:  # the others go on: the launcher stops them once this process fails
+                exit_now(1)
     return run
 
 
 def end_in_its_sentence(error):
     """Remove what the failed run made, say the UserError's sentence once, and leave the process group."""
+    rank = int(os.environ.get("RANK", "0"))
     remove_what_the_failed_run_made()
     print_traceback_if_asked()
     # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
-    if int(os.environ.get("RANK", "0")) == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
+    if rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
         print(f"error: {error}", file=sys.stderr, flush=True)
     leave_process_group_together()
+    if rank and not error.every_process:
+        # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank that
+        # fails alone still speaks.
+        time.sleep(3)
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
 
 
 def print_traceback_if_asked():
