@@ -14,6 +14,7 @@ import sys
 import torch
 from accelerate.utils import ProfileKwargs
 
+from shared import stop_together
 from shared.run_folder import PROFILE_FOLDER
 
 SKIP, WARMUP, ACTIVE = 5, 2, 5
@@ -35,9 +36,11 @@ def window(accelerator, output_dir, model):
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop notices and, on a CPU, its search for GPUs
     _label_forward(accelerator.unwrap_model(model, keep_torch_compile=False))
 
-    def write(profiler):
-        folder.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(folder / f"trace_rank{accelerator.process_index}.json"))
+    def write(profiler):  # every process, at the same step: a write that fails on any stops all in one sentence
+        trace = folder / f"trace_rank{accelerator.process_index}.json"
+        with stop_together.if_write_fails(trace, "free space or fix the folder, or train without --profile."):
+            folder.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(trace))
         accelerator.print(f"--profile wrote a trace per process to {folder}: `python tools/step_time.py {folder}` "
                           "shows where a step's time went.")
 

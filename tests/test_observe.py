@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import TOOLS, checkpoints_in, python_command, read_metrics, read_state, run
-from test_features import assert_same_records, assert_same_weights, resume_from, train, weights
+from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
 
@@ -96,6 +96,21 @@ def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_pat
     short, result = train("cpu_gloo.py", tmp_path, "short", "--max_train_steps", "3", "--profile", data_dir=data_dir)
     assert "--profile recorded nothing: the run took 3 steps, and the profiler skips 5" in result.stderr
     assert not (short / "profile").exists()
+
+
+def test_a_trace_that_cannot_be_written_stops_every_process_in_one_sentence(data_dir, tmp_path):
+    """At 2 processes, where <output_dir>/profile is a file: both stop at the end of the profiled window
+    with one sentence naming the trace, and the file stays."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / "profile").write_text("not a folder")
+    result = run(script_command("cpu_gloo.py", "--output_dir", output_dir, "--data_dir", data_dir, "--max_train_steps", "14", "--profile",
+                                num_processes=2), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert line.startswith(f"error: Could not write {output_dir / 'profile' / 'trace_rank'}") and line.endswith(
+        "free space or fix the folder, or train without --profile."), line
+    assert (output_dir / "profile").read_text() == "not a folder"
 
 
 def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
