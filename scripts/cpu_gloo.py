@@ -102,7 +102,7 @@ def main(argv=None):
                                               source=args.dataset_source, hub_name=args.dataset_name,
                                               pipeline=args.data_pipeline)
     loading.raise_everywhere()  # every process
-    agreement.check_data(train_set, test_set)  # every process: each machine's copy of the data is the same
+    agreement.check_data(accelerator, train_set, test_set)  # every process: each machine's copy of the data is the same
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)

@@ -70,12 +70,12 @@ def _from_hub(hub_name, data_dir, transform, download):
     # A process that must not download reads the cache that its machine's first process filled. datasets
     # 5 ignores DownloadConfig(local_files_only=True) and asks the Hub all the same; its offline mode does
     # not (and says so, in two warnings, which the other processes need not repeat).
+    cache = Path(data_dir) / "huggingface"
+    _make(cache)  # here rather than by datasets, so that a failed run removes it
     offline, verbosity = hub.config.HF_HUB_OFFLINE, hub.logging.get_verbosity()
     if not download:
         hub.config.HF_HUB_OFFLINE = True
         hub.logging.set_verbosity_error()
-    cache = Path(data_dir) / "huggingface"
-    _make(cache)  # here rather than by datasets, so that a failed run removes it
     try:
         splits = hub.load_dataset(hub_name, cache_dir=str(cache))
         return tuple(
