@@ -15,8 +15,8 @@ difference to the plain DDP step of the same turn:
 - + stop check every step: the DDP step and accelerator.check_trigger() after it;
 - + stop check every 10 steps: as the scripts check (preemption.Preemption.CHECK_EVERY).
 Then what a checkpoint's integrity costs per GB: writing a file of --digest_mb MB of weights with
-safetensors, and its SHA-256 as shared/checkpoint_digests.py takes it, right after the write (the
-page cache still holds it) and read from the disk again; each process hashes only what it wrote.
+safetensors, and its SHA-256 as shared/checkpoints.py takes it, right after the write (the
+page cache still holds it) and read from the disk again.
 """
 
 import argparse
@@ -81,7 +81,7 @@ def digest_cost(size_mb, repeats=3):
     warm and dropped (dropping needs root; None without): medians over repeats."""
     from safetensors.torch import save_file
 
-    from shared.checkpoint_digests import _sha256
+    from shared.checkpoints import sha256
 
     weights = {"weights": torch.randn(size_mb * 2**20 // 4)}
     timings = {"write": [], "SHA-256, warm": [], "SHA-256, from disk": []}
@@ -93,14 +93,14 @@ def digest_cost(size_mb, repeats=3):
             os.sync()
             timings["write"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            _sha256(path)
+            sha256(path)
             timings["SHA-256, warm"].append(time.perf_counter() - started)
             try:
                 Path("/proc/sys/vm/drop_caches").write_text("1")
             except OSError:
                 continue
             started = time.perf_counter()
-            _sha256(path)
+            sha256(path)
             timings["SHA-256, from disk"].append(time.perf_counter() - started)
     gigabytes = size_mb / 1024
     return {name: statistics.median(values) / gigabytes if values else None for name, values in timings.items()}, gigabytes

@@ -16,10 +16,9 @@ from accelerate.utils import broadcast, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from shared import (agreement, checkpoints, ddp_options, errors, flags, metrics_log, mnist_data, profiling, run_folder,
+from shared import (agreement, checkpoints, ddp_options, errors, flags, metrics, mnist_data, profiling, run_folder,
                     stop_together, tracking)
 from shared.early_stopping import EarlyStopping
-from shared.epoch_stats import EpochStats
 from shared.in_memory_loader import InMemoryLoader
 from shared.preemption import Preemption
 
@@ -91,8 +90,6 @@ def main(argv=None):
         project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
-    # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
-    agreement.check(accelerator, vars(args))
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
@@ -102,7 +99,8 @@ def main(argv=None):
                                               source=args.dataset_source, hub_name=args.dataset_name,
                                               pipeline=args.data_pipeline)
     loading.raise_everywhere()  # every process
-    agreement.check_data(accelerator, train_set, test_set)  # every process: each machine's copy of the data is the same
+    # Every process: the same flags, code, packages, launch profile and data everywhere, or all stop naming the difference.
+    agreement.check(accelerator, vars(args), train_set, test_set)
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
@@ -131,7 +129,7 @@ def main(argv=None):
         else:
             with checkpoints.loading(weights, accelerator):
                 accelerator.load_state(weights)
-        metrics_log.report_eval(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
+        metrics.report_eval(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
         accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
         accelerator.end_training()
         return
@@ -139,7 +137,7 @@ def main(argv=None):
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
     # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
     num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
-    log = metrics_log.MetricsLog(output_dir, accelerator)
+    log = metrics.MetricsLog(output_dir, accelerator)
     saved = checkpoints.Checkpoints(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
                                     batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=num_epochs)
     # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops (shared/preemption.py).
@@ -170,7 +168,7 @@ def main(argv=None):
             if resuming:  # the batches after those the checkpoint had trained
                 batches = (train_loader.skip_first_batches(start.batches_done) if args.data_pipeline == "memory"
                            else accelerator.skip_first_batches(train_loader, start.batches_done))
-            stats = EpochStats(accelerator, model, epoch, carried_over=start if resuming else None)
+            stats = metrics.EpochStats(accelerator, model, epoch, carried_over=start if resuming else None)
             progress_bar = tqdm(batches, desc=f"epoch {epoch}", disable=not accelerator.is_local_main_process)
             for batch_index, (images, labels) in enumerate(progress_bar, start=stats.batches):  # counts on after a resume
                 if step == args.max_train_steps:  # mid-epoch too, or already by the checkpoint resumed:
@@ -201,7 +199,7 @@ def main(argv=None):
 
             # Every process: the main process writes the record, and a failed write stops all of them.
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator), {"step": step, "lr": scheduler.get_last_lr()[0]})
-            accelerator.print(metrics_log.epoch_line(record, num_epochs))
+            accelerator.print(metrics.epoch_line(record, num_epochs))
             accelerator.log(tracking.scalars(record), step=epoch)
             if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
                 accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")

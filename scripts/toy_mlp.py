@@ -6,7 +6,7 @@ The MNIST scripts add checkpoints, preemption, tracking, profiling and early sto
 Run on one process:           python scripts/toy_mlp.py
 On 2 CPU processes (gloo):    python scripts/launch.py --config_file accelerate_configs/cpu.yaml --num_processes 2 scripts/toy_mlp.py
 On 2 GPUs:                    accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/toy_mlp.py
-From a notebook:              notebook_launcher(in_notebook(main), args=([],), num_processes=2)  (shared/errors.py's in_notebook)
+From a notebook:              notebook_launcher(in_notebook(main), args=([],), num_processes=2)  (shared/notebook.py)
 """
 
 import argparse

@@ -1,13 +1,14 @@
 """Checkpoints around accelerator.save_state and load_state: written atomically, checked, resumed exactly.
 
-save_state writes into a hidden .tmp_ folder, renamed once every process has finished, so a crash or
-a full disk never leaves a broken folder for `latest`. Its trainer_state.json records where in the
-epoch it stopped, in samples (a resume at another world size knows the next batch, or says it cannot),
-and every file's SHA-256, so a file damaged since is found before it is loaded.
+save_state writes into a hidden .tmp_ folder, renamed once every process has finished, so a crash or a
+full disk never leaves a broken folder for `latest`. Its trainer_state.json records where in the epoch
+it stopped, in samples (a resume at another world size knows the next batch, or says it cannot), and the
+SHA-256 of every file, so a file damaged since is found before it is loaded.
 """
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -15,11 +16,12 @@ import time
 import warnings
 from pathlib import Path
 
+from accelerate.utils import gather_object
 from safetensors.torch import load_file
 
-from shared import checkpoint_digests, stop_together
+from shared import stop_together
 from shared.errors import UserError, first_line
-from shared.metrics_log import read_records
+from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in,
                                model_saved_after, writes_here)
 
@@ -48,7 +50,7 @@ class Checkpoints:
         self.batches_per_epoch = batches_per_epoch
         self.started = time.perf_counter()
         self.newest = None  # the last checkpoint this run saved
-        self.writes_folder = writes_here(accelerator)
+        self.writes = writes_here(accelerator)
 
     def due(self, step):
         """Whether --checkpointing_steps N asks for a save after this optimizer step."""
@@ -62,7 +64,7 @@ class Checkpoints:
     def saving(self, epoch, step, stats=None):
         """Every process must enter this around accelerator.save_state(folder), with the folder it gives;
         on a clean exit that becomes checkpoints/step_<step> (self.newest), older ones pruned. `stats`
-        (epoch_stats.EpochStats) marks a save inside `epoch`, with its sums so far (one all-reduce).
+        (metrics.EpochStats) marks a save inside `epoch`, with its sums so far (one all-reduce).
         A save that fails on any process (a full disk, an I/O error) stops every one with one sentence;
         the checkpoints before it stay complete, and `latest` still names the newest."""
         position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
@@ -70,7 +72,7 @@ class Checkpoints:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
         final, partial = checkpoint_folder(self.output_dir, step), checkpoint_folder(self.output_dir, step, ".tmp_")
-        if self.writes_folder:
+        if self.writes:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
         self.accelerator.wait_for_everyone()
         previous = checkpoints_in(self.folder)[-1:]
@@ -80,31 +82,28 @@ class Checkpoints:
         try:
             with stop_together.if_write_fails(final, advice):
                 yield partial
-            self.accelerator.wait_for_everyone()  # every process has written its part
-            digests = checkpoint_digests.record(self.accelerator, partial)
-            with stop_together.if_write_fails(final, advice):
-                if self.writes_folder:
-                    self._complete(partial, final, position, digests)
+            with stop_together.if_write_fails(final, advice):  # entered once every process has written its part
+                if self.writes:
+                    self._complete(partial, final, position)
             self.newest = final
         except UserError:
-            if self.writes_folder:
+            if self.writes:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
 
-    def _complete(self, partial, final, position, digests):
-        """Record the position and the files' digests, then make the folder a checkpoint by its rename."""
+    def _complete(self, partial, final, position):
+        """Record the position and every file's digest (each machine's copy, where each has a disk), then
+        make the folder a checkpoint by its rename, replacing one of the same step (saved before a resume)."""
+        files = {path.relative_to(partial).as_posix(): sha256(path) for path in sorted(partial.rglob("*")) if path.is_file()}
         state = {name: value for name, value in dataclasses.asdict(position).items() if name != "path"} | {
             "world_size": self.accelerator.num_processes, "batch_size": self.batch_size,
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
-            "batches_per_epoch": self.batches_per_epoch, "num_epochs": self.num_epochs, "files": digests}
+            "batches_per_epoch": self.batches_per_epoch, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        aside = final.with_name(f"damaged_{final.name}")
-        if final.exists():  # the same step, saved by a run this one resumed from before it: a damaged one is kept aside
-            final.rename(aside) if not (aside.exists() or checkpoint_digests.intact_here(final)) else shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        if self.keep:
-            for old in checkpoints_in(self.folder)[:-self.keep]:
-                shutil.rmtree(old)
+        for old in checkpoints_in(self.folder)[:-self.keep] if self.keep else []:
+            shutil.rmtree(old)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
@@ -115,18 +114,17 @@ class Checkpoints:
         run's own newest, and pruning never takes one of its own for one of theirs."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
-            stop_together.on_main_process(self.accelerator, self._nothing_to_resume)
+            stop_together.on_main_process(self.accelerator, self._check_nothing_to_resume)
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")
             return Position()
         state = json.loads((path / STATE_FILE).read_text())
         stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(path, state, max_train_steps))
         position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                             tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
-        if self.writes_folder and path.parent.resolve() == self.folder.resolve():
+        if self.writes and path.parent.resolve() == self.folder.resolve():
             for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint.name > path.name]:
                 aside = later.with_name(f"abandoned_{later.name}")
-                if aside.exists():  # from an earlier branch
-                    aside = aside.with_name(f"{aside.name}_{time.time_ns()}")
+                aside = aside.with_name(f"{aside.name}_{time.time_ns()}") if aside.exists() else aside  # from an earlier branch
                 later.rename(aside)
                 self.accelerator.print(f"Set aside {later}, saved after the checkpoint resumed, as {aside.name}.")
         self.accelerator.wait_for_everyone()
@@ -136,7 +134,7 @@ class Checkpoints:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
         return position
 
-    def _nothing_to_resume(self):
+    def _check_nothing_to_resume(self):
         if (self.output_dir / METRICS_FILE).exists():  # never train again over the epochs of a run that saved no checkpoint
             which = "no intact checkpoint" if any(self.folder.glob("damaged_step_*")) else "no checkpoint"
             raise UserError(f"{self.output_dir} holds a run but {which} to resume: choose another --output_dir, "
@@ -185,25 +183,48 @@ class Checkpoints:
 
 def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
-    newest of output_dir's), once every process has checked the files it hashes in its machine's copy.
-    A damaged one named outright stops the run; `latest` names each damaged one, sets it aside as
-    damaged_step_N (never deleted) and tries the one before. None: there is none."""
+    newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
+    outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
+    deleted) and tries the one before. None: there is none."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [str(spec)] if read_state(Path(spec)) else [])
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
-        reason, damaged_here = checkpoint_digests.damage(accelerator, path)
+        damaged_here = damage(path) if writes_here(accelerator) else None
+        reason = next(filter(None, gather_object([damaged_here])), None)
         if reason is None:
             return path
         if spec != "latest":
             raise UserError(f"Checkpoint {path} is damaged ({reason}): resume from an earlier checkpoint, "
                             "or from 'latest', which skips damaged ones.", every_process=True)
         accelerator.print(f"Skipping damaged checkpoint {path} ({reason}); trying the one before it.")
-        accelerator.wait_for_everyone()  # every process has read it
-        if writes_here(accelerator) and damaged_here and not path.with_name(f"damaged_{path.name}").exists():
+        if damaged_here and not path.with_name(f"damaged_{path.name}").exists():
             path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
     return None
+
+
+def damage(folder):
+    """The first file of a checkpoint folder that is missing or differs from the digest its state file
+    recorded, in a sentence part; None when all are as saved."""
+    try:
+        recorded = json.loads((folder / STATE_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        return f"its {STATE_FILE} cannot be read: {error}"
+    for name, digest in recorded.items():
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+        if sha256(folder / name) != digest:
+            return f"{name} differs from what was saved"
+    return None
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def weights_to_evaluate(accelerator, spec, output_dir):

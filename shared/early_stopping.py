@@ -9,7 +9,7 @@ from accelerate.utils import broadcast_object_list
 
 from shared import stop_together
 from shared.errors import UserError
-from shared.metrics_log import read_records
+from shared.metrics import read_records
 from shared.run_folder import model_saved_after
 
 

@@ -77,19 +77,6 @@ def run_main(main):
         exit_now(130)  # at once: the other processes are stopping too, so leaving the group could wait on them
 
 
-def in_notebook(main):
-    """main, for accelerate's notebook_launcher, which every process it starts calls: a UserError ends in
-    its one sentence, as under run_main, not in a traceback of every process; the cell then ends."""
-    def run(*args):
-        try:
-            main(*args)
-        except UserError as error:
-            end_in_its_sentence(error)
-            if not error.every_process:  # the others go on: the launcher stops them once this process fails
-                exit_now(1)
-    return run
-
-
 def end_in_its_sentence(error):
     """Remove what the failed run made, say the UserError's sentence once, and leave the process group."""
     rank = int(os.environ.get("RANK", "0"))

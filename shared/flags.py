@@ -85,7 +85,7 @@ def training_parser(description, *, output_dir):
         help="stop when eval loss has not improved for this many epochs (a resumed run remembers its count)")
     add("--early_stopping_target", type=accuracy, default=None, metavar="ACC",
         help="stop after the first epoch whose eval accuracy reaches ACC (between 0 and 1), as time-to-accuracy benchmarks do")
-    add("--ddp_comm_hook", choices=["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"], default="no",
+    add("--ddp_comm_hook", choices=["no", "fp16", "bf16", "power_sgd"], default="no",
         help="compress DDP's gradient all-reduce: fp16/bf16 halve its bytes, PowerSGD sends a low-rank approximation "
         "(see benchmarks/README.md for what each buys and costs)")
     add("--ddp_bucket_cap_mb", type=positive_float, default=None,

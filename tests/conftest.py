@@ -39,7 +39,7 @@ sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TESTS))
 
 from synthetic_digits import write_small_mnist  # noqa: E402
-from shared.metrics_log import read_records  # noqa: E402
+from shared.metrics import read_records  # noqa: E402
 from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
 
 TIMEOUT = 300

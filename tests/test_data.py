@@ -30,7 +30,7 @@ def test_the_memory_pipeline_reads_the_files_bitwise_as_torchvision_does(name, d
     from shared.mnist_data import _read_raw
 
     for train in (True, False):
-        ours = _read_raw(name, data_dir / name / "raw", train)
+        ours = _read_raw(name, data_dir / name / "raw", "train" if train else "t10k")
         theirs = getattr(datasets, name)(data_dir, train=train)
         assert ours.data.dtype == theirs.data.dtype and ours.targets.dtype == theirs.targets.dtype
         assert torch.equal(ours.data, theirs.data) and torch.equal(ours.targets, theirs.targets)

@@ -210,14 +210,3 @@ def test_a_run_stopped_early_is_finished_whatever_its_newest_checkpoint(data_dir
     again = run(python_command("cpu_gloo.py", "--output_dir", whole, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path, check=False)
     assert again.returncode == 1 and f"error: The run in {whole} already stopped early after epoch {records[-1]['epoch']}" in again.stderr
     assert read_metrics(whole) == records
-
-
-def test_batched_power_sgd_where_torch_breaks_it_is_answered_in_one_sentence(tmp_path):
-    from shared.ddp_options import batched_power_sgd_works
-
-    if batched_power_sgd_works():
-        pytest.skip("this torch's batched PowerSGD hook works")
-    result = run(python_command("cpu_gloo.py", "--output_dir", tmp_path / "run", "--ddp_comm_hook", "batched_power_sgd"), cwd=tmp_path, check=False)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "error: --ddp_comm_hook batched_power_sgd fails in torch" in result.stderr and result.stderr.strip().endswith("use --ddp_comm_hook power_sgd.")
-    assert not (tmp_path / "run").exists()

@@ -120,7 +120,7 @@ def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
         shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
     project = checkout / "my_project"
     copy_as_template(project)
-    metrics_file = project / "shared" / "metrics_log.py"
+    metrics_file = project / "shared" / "metrics.py"
     metrics_file.write_text(metrics_file.read_text().replace('f"epoch {record', 'f"my copy: epoch {record'))
     result = run([sys.executable, project / "train.py", "--data_dir", data_dir, "--output_dir", tmp_path / "out", "--num_epochs", "1"],
                  cwd=checkout)
@@ -146,7 +146,7 @@ def test_toy_mlp_from_a_notebook_cell_in_a_jupyter_kernel(tmp_path):
 import sys
 sys.path.insert(0, {str(SCRIPTS)!r})          # the folder that holds toy_mlp.py
 from accelerate import notebook_launcher
-from shared.errors import in_notebook
+from shared.notebook import in_notebook
 from toy_mlp import main
 
 notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)

@@ -1,0 +1,134 @@
+"""The numbers a run reports: each epoch's loss, speed and peak memory over all processes, with the stop
+of a run whose loss or weights are no longer finite; their record in metrics.jsonl; --eval_only's eval.json."""
+
+import json
+import resource
+import time
+
+import torch
+
+from shared import stop_together
+from shared.errors import UserError
+from shared.run_folder import EVAL_FILE, METRICS_FILE
+
+
+class EpochStats:
+    """The loss and sample sums of `epoch` on this process, with no host-device sync per batch.
+    `carried_over` (a checkpoints.Position inside the epoch) adds what the checkpoint had summed, so that
+    a resumed epoch reports the numbers of one that never stopped."""
+
+    def __init__(self, accelerator, model, epoch, carried_over=None):
+        self.accelerator, self.model, self.epoch = accelerator, model, epoch
+        self.loss_sum = torch.zeros((), device=accelerator.device)  # sum of loss x batch size
+        self.samples = self.batches = 0
+        self.started = time.perf_counter()
+        if accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(accelerator.device)
+        if carried_over is not None:
+            self.batches = carried_over.batches_done
+            self.started -= carried_over.epoch_seconds
+            if accelerator.is_main_process:  # the saved sums are already over all processes
+                self.loss_sum += carried_over.epoch_totals[0]
+                self.samples = int(carried_over.epoch_totals[1])
+
+    def add(self, loss, batch_size):
+        self.loss_sum.add_(loss.detach(), alpha=batch_size)  # one small op on the device, no sync
+        self.samples += batch_size
+        self.batches += 1
+
+    def snapshot(self):
+        """Every process must call this (one all-reduce): the loss and sample sums over all processes so
+        far, and the seconds spent. Stops every process when the loss or a weight is not finite, so that
+        no checkpoint or model file of such weights is ever written."""
+        nonfinite = sum((~torch.isfinite(weight.to_local() if hasattr(weight, "to_local") else weight)).sum()  # FSDP: this shard
+                        for weight in self.model.parameters())
+        totals = torch.stack([self.loss_sum.float(), torch.tensor(float(self.samples), device=self.loss_sum.device),
+                              torch.as_tensor(nonfinite, device=self.loss_sum.device).float()])
+        loss_sum, samples, nonfinite = self.accelerator.reduce(totals, reduction="sum").tolist()
+        if not torch.isfinite(torch.tensor(loss_sum)) or nonfinite:
+            fp16 = ", or --mixed_precision fp16 overflowed (bf16 has fp32's range)" if self.accelerator.mixed_precision == "fp16" else ""
+            raise UserError(
+                f"Training diverged in epoch {self.epoch}: the loss summed over its steps is {loss_sum} and {int(nonfinite)} weights "
+                f"are not finite. The learning rate is likely too high{fp16}: lower --lr (or --gamma), and resume with "
+                "--resume_from_checkpoint latest if the run saved checkpoints (none of them holds such weights), or train again.",
+                every_process=True)
+        return (loss_sum, samples), time.perf_counter() - self.started
+
+    def summary(self):
+        """Every process must call this (two collectives): the epoch's mean loss over every process's
+        samples, the global training samples per second, and the largest peak memory of any process in
+        MiB (on a GPU what PyTorch allocated in the epoch; on a CPU the process's resident set so far)."""
+        (loss_sum, samples), elapsed = self.snapshot()
+        device = self.accelerator.device
+        peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux counts it in KiB
+        peaks = self.accelerator.gather(torch.tensor([peak], device=device))
+        return {"train_loss": loss_sum / max(samples, 1), "train_samples_seen": int(samples),  # the padding of the last batches included
+                "samples_per_sec": samples / elapsed, "peak_memory_mb": round(float(peaks.max()), 1)}
+
+
+class MetricsLog:
+    """<output_dir>/metrics.jsonl: one JSON object per epoch, written by the main process."""
+
+    def __init__(self, output_dir, accelerator):
+        self.path, self.accelerator, self.started = output_dir / METRICS_FILE, accelerator, time.perf_counter()
+
+    def write(self, epoch, *parts):
+        """Every process must call this, though the main process alone writes (a failed write stops all
+        of them): appends the record of `epoch`, merged from the dicts in parts, and returns it."""
+        record = {"epoch": epoch}
+        for part in parts:
+            record.update(part)
+        record.update(world_size=self.accelerator.num_processes, device=str(self.accelerator.device),
+                      mixed_precision=self.accelerator.mixed_precision, elapsed_s=round(time.perf_counter() - self.started, 3))
+        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume with --resume_from_checkpoint "
+                                          "latest (without checkpoints: train again with --overwrite_output_dir)."):
+            if self.accelerator.is_main_process:
+                with self.path.open("a") as file:
+                    file.write(json.dumps(record) + "\n")
+        return record
+
+    def continue_from(self, position):
+        """Every process must call this: keeps the records of the epochs before `position` (a
+        checkpoints.Position; none for a new run), drops any later ones, and counts elapsed_s on from its."""
+        self.started = time.perf_counter() - position.elapsed_s
+        records = stop_together.on_main_process(self.accelerator, lambda: read_records(self.path.parent))
+        with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume again."):
+            if self.accelerator.is_main_process and self.path.exists():
+                partial = self.path.with_name(self.path.name + ".tmp")
+                partial.write_text("".join(json.dumps(record) + "\n" for record in records if record["epoch"] < position.epoch))
+                partial.replace(self.path)
+
+
+def read_records(output_dir):
+    """The records of output_dir's metrics.jsonl, one per epoch (none without the file); a last line that
+    a killed run's write cut short is left out."""
+    path = output_dir / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.") from None
+    return records
+
+
+def epoch_line(record, num_epochs):
+    return (f"epoch {record['epoch']}/{num_epochs}  train_loss {record['train_loss']:.4f}  eval_loss {record['eval_loss']:.4f}  "
+            f"eval_accuracy {record['eval_accuracy']:.4f}  {record['samples_per_sec']:,.0f} samples/s  "
+            f"peak {record['peak_memory_mb']:,.0f} MB  world_size {record['world_size']}")
+
+
+def report_eval(result, source, accelerator, output_dir):
+    """Every process must call this, though the main process alone writes (a failed write stops all of
+    them): --eval_only's accuracy and per-class accuracy of the weights, printed and saved as eval.json."""
+    result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
+    accelerator.print(f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
+                      f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})")
+    for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
+        accelerator.print(f"  class {label}: {accuracy:.4f}")
+    with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
+        if accelerator.is_main_process:
+            (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=1))
