@@ -107,17 +107,6 @@ def step(model, optimizer, loss_fn, inputs, labels):
     optimizer.step()
 
 
-def scripts_step(accelerator, model, optimizer, loss_fn, inputs, labels, epoch_stats):
-    """One training step as the scripts take it: the Accelerate-prepared model and optimizer inside
-    accelerator.accumulate, and the epoch's loss sum (shared.epoch_stats.EpochStats)."""
-    with accelerator.accumulate(model):
-        loss = loss_fn(model(inputs), labels)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    epoch_stats.add(loss, len(labels))
-
-
 def tutorial_setup(rank, world_size, script, data_dir, batch_size, lr):
     """The tutorials' recipe, ready to train: the DDP model and a function that trains one epoch on
     this rank's DistributedSampler shard, each sample through ToTensor and Normalize; and the number

@@ -100,7 +100,6 @@ def evaluate(model, loader, accelerator):
 
 def main(argv=None):
     args = parse_args(argv)
-    trackers = tracking.log_with(args.with_tracking, args.report_to)  # None unless --with_tracking
     accelerator = Accelerator(
         cpu=devices.cpu_only(),  # on a machine without GPUs, so that a launch's processes join one gloo group
         mixed_precision=args.mixed_precision,
@@ -110,8 +109,8 @@ def main(argv=None):
         # The scheduler is stepped once per epoch, below; accelerate would step it at every optimizer step.
         step_scheduler_with_optimizer=False,
         kwargs_handlers=ddp_options.kwargs_handlers(args.ddp_timeout, args.ddp_comm_hook, args.ddp_bucket_cap_mb),
-        log_with=trackers,
-        project_config=tracking.project_config(args.output_dir, trackers),  # tracker stores under --output_dir
+        log_with=tracking.log_with(args.with_tracking, args.report_to),  # None unless --with_tracking
+        project_config=tracking.project_config(args.output_dir),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
     # --batch_size samples per step, split across the processes: any world size trains the same model.
@@ -181,8 +180,8 @@ def main(argv=None):
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
     log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
     if args.with_tracking:
-        with tracking.starting(accelerator, output_dir, args.report_to):  # every process: a tracker that fails to start stops all
-            accelerator.init_trackers("mnist_conv", config=tracking.hyperparameters(vars(args)), init_kwargs=tracking.init_kwargs(output_dir))
+        with tracking.starting(accelerator, output_dir, args.report_to) as init_kwargs:  # every process: a tracker that fails to start stops all
+            accelerator.init_trackers("mnist_conv", config=tracking.hyperparameters(vars(args)), init_kwargs=init_kwargs)
 
     step = start.global_step
     # --profile: torch.profiler records a window of steps on every process and writes their traces.

@@ -26,33 +26,27 @@ def log_with(with_tracking, report_to):
     return trackers
 
 
-def project_config(output_dir, trackers):
-    """The Accelerator's project_config: TensorBoard's events and MLflow's runs under output_dir."""
+def project_config(output_dir):
+    """The Accelerator's project_config: TensorBoard's events under output_dir."""
     output_dir = Path(output_dir).resolve()
-    if trackers and "mlflow" in trackers:
-        # accelerate's MLflow tracker uses MLflow's default store (./mlruns of wherever the run
-        # started) unless this is set; a user's own setting wins.
-        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
     return ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / TENSORBOARD_FOLDER))
-
-
-def init_kwargs(output_dir):
-    """init_trackers' init_kwargs: MLflow's artifacts under output_dir too (accelerate gives its MLflow
-    tracker no folder, and MLflow's default is ./mlruns of wherever the run started)."""
-    return {"mlflow": {"logging_dir": str(Path(output_dir).resolve() / MLFLOW_ARTIFACTS)}}
 
 
 @contextlib.contextmanager
 def starting(accelerator, output_dir, report_to):
-    """Every process must enter this, around accelerator.init_trackers, which starts the trackers on the
-    main process alone: one that fails to start (a server down, a store it cannot make) stops every
-    process with one sentence, not a traceback on one and a wait on the others. The trackers started
-    before it are closed, and the stores they made in output_dir removed (a resumed run's stay)."""
-    stores = [Path(output_dir) / name for name in (TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)]
+    """Every process must enter this, around accelerator.init_trackers(..., init_kwargs=<what it gives>),
+    which starts the trackers on the main process alone. MLflow's runs and artifacts go under output_dir
+    (accelerate's MLflow tracker would use ./mlruns of wherever the run started; a MLFLOW_TRACKING_URI you
+    set wins). A tracker that fails to start (a server down, a store it cannot make) stops every process
+    with one sentence, not a traceback on one and a wait on the others; the trackers started before it
+    are closed, and the stores they made in output_dir removed (a resumed run's stay)."""
+    output_dir = Path(output_dir).resolve()
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
+    stores = [output_dir / name for name in (TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)]
     there_before = [store.exists() for store in stores]
     error = None
     try:
-        yield
+        yield {"mlflow": {"logging_dir": str(output_dir / MLFLOW_ARTIFACTS)}}
     except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
         error = (f"--report_to {report_to or 'tensorboard'} could not start its tracker ({first_line(failure)}): fix what it "
                  "names (MLFLOW_TRACKING_URI, where you set it), or train without --with_tracking.")
