@@ -95,9 +95,7 @@ class MetricsLog:
         records = stop_together.on_main_process(self.accelerator, lambda: read_records(self.path.parent))
         with stop_together.if_write_fails(self.path, "free space or fix the folder, then resume again."):
             if self.accelerator.is_main_process and self.path.exists():
-                partial = self.path.with_name(self.path.name + ".tmp")
-                partial.write_text("".join(json.dumps(record) + "\n" for record in records if record["epoch"] < position.epoch))
-                partial.replace(self.path)
+                write_whole(self.path, "".join(json.dumps(record) + "\n" for record in records if record["epoch"] < position.epoch))
 
 
 def read_records(output_dir):
@@ -131,4 +129,11 @@ def report_eval(result, source, accelerator, output_dir):
         accelerator.print(f"  class {label}: {accuracy:.4f}")
     with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
         if accelerator.is_main_process:
-            (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=1))
+            write_whole(output_dir / EVAL_FILE, json.dumps(result, indent=1))
+
+
+def write_whole(path, text):
+    """Write text to path through a temporary file, so that a failed write leaves the file before it whole."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)

@@ -359,6 +359,15 @@ def test_eval_only_latest_evaluates_the_newest_weights_of_the_run(data_dir, tmp_
     assert evaluation["eval_accuracy"] == read_metrics(run_dir)[-1]["eval_accuracy"]
     assert result.stdout.startswith(f"{run_dir / 'model.safetensors'}: eval_accuracy")
 
+    # A write that fails (a folder where its temporary file goes) ends in one sentence, the eval.json before it whole.
+    before = (run_dir / "eval.json").read_text()
+    (run_dir / "eval.json.tmp").mkdir()
+    failed = run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+                                "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000040"), cwd=tmp_path, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert f"error: Could not write {run_dir / 'eval.json'} (" in failed.stderr and failed.stderr.strip().endswith("and evaluate again.")
+    assert (run_dir / "eval.json").read_text() == before
+
 
 # -- precision, accumulation, schedule ------------------------------------------------------------
 
