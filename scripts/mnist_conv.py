@@ -113,6 +113,8 @@ def main(argv=None):
         project_config=tracking.project_config(args.output_dir),  # tracker stores under --output_dir
     )
     set_seed(args.seed)
+    # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
+    agreement.check(accelerator, vars(args))
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
@@ -122,8 +124,7 @@ def main(argv=None):
                                               source=args.dataset_source, hub_name=args.dataset_name,
                                               pipeline=args.data_pipeline)
     loading.raise_everywhere()  # every process
-    # Every process: the same flags, code, packages, launch profile and data everywhere, or all stop naming the difference.
-    agreement.check(accelerator, vars(args), train_set, test_set)
+    agreement.check_data(accelerator, train_set, test_set)  # every process: each machine's copy of the data is the same
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)

@@ -29,24 +29,11 @@ ADVICE = {"flags": "start every process with the same training flags",
           "data": "give every machine the same copy of the data set (delete a machine's copy under --data_dir to have it downloaded again)"}
 
 
-def check(accelerator, flags, train_set, test_set):
-    """Every process must call this (one all-gather), after the data load. Compares the training flags
-    (`flags`, vars(args), less PER_MACHINE_FLAGS; a checkpoint to resume by its folder's name), what the
-    Accelerator runs with (the launch profile's precision, distributed type, device, torch.compile and
-    FSDP settings), the code (the script and shared/), the torch and accelerate versions, and the data."""
-    everyone = gather_object([what_this_process_trains(accelerator, flags, train_set, test_set)])
-    first = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        for part, advice in ADVICE.items():
-            for name in sorted(first[part].keys() | theirs[part].keys()):
-                if first[part].get(name) != theirs[part].get(name):
-                    said = [description[part].get(name, f"{name} is not there") for description in (theirs, first)]
-                    raise UserError(f"The processes disagree before the first step: {said[0]} in process {rank} on {theirs['host']} "
-                                    f"but {said[1]} in process 0 on {first['host']}: {advice}.", every_process=True)
-
-
-def what_this_process_trains(accelerator, flags, train_set, test_set):
-    """Each thing compared, by its name, as a sentence part that says its value."""
+def check(accelerator, flags):
+    """Every process must call this (one all-gather), before any other collective: compares the training
+    flags (`flags`, vars(args), less PER_MACHINE_FLAGS; a checkpoint to resume by its folder's name), what
+    the Accelerator runs with (the launch profile's precision, distributed type, device, torch.compile and
+    FSDP settings), the code (the script and shared/) and the torch and accelerate versions."""
     trained = {name: value for name, value in flags.items() if name not in PER_MACHINE_FLAGS}
     if trained.get("resume_from_checkpoint"):
         trained["resume_from_checkpoint"] = Path(trained["resume_from_checkpoint"]).name
@@ -54,23 +41,45 @@ def what_this_process_trains(accelerator, flags, train_set, test_set):
     profile = {"distributed type": state.distributed_type.value, "mixed precision": accelerator.mixed_precision,
                "device": accelerator.device.type, "torch.compile backend": state.dynamo_plugin.backend.value,
                "torch.compile mode": state.dynamo_plugin.mode}
-    for setting in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_offload", "mixed_precision_policy",
-                    "auto_wrap_policy", "activation_checkpointing") if getattr(state, "fsdp_plugin", None) else ():
-        value = getattr(state.fsdp_plugin, setting)
-        profile[setting] = getattr(value, "__name__", value)  # a wrap policy is a function
+    if getattr(state, "fsdp_plugin", None):
+        for setting in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_offload", "mixed_precision_policy",
+                        "auto_wrap_policy", "activation_checkpointing"):
+            value = getattr(state.fsdp_plugin, setting)
+            profile[setting] = getattr(value, "__name__", value)  # a wrap policy is a function
     script = getattr(sys.modules["__main__"], "__file__", None)  # none in a notebook
     code = {f"shared/{path.name}": path for path in sorted(Path(shared.__file__).parent.glob("*.py"))}
     if script:
         code[Path(script).name] = Path(script)
+    stop_at_a_difference({
+        "flags": {name: f"--{name} is {value!r}" for name, value in trained.items()},
+        "profile": {name: f"{name} is {value}" for name, value in profile.items()},
+        "code": {name: f"{name} has SHA-256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}" for name, path in code.items()},
+        "packages": {"torch": f"torch is {torch.__version__}", "accelerate": f"accelerate is {accelerate.__version__}"}})
+
+
+def check_data(accelerator, train_set, test_set):
+    """Every process must call this (one all-gather), after the data load: every process read the same
+    data sets, by their sizes and SHA-256s (0.1 s for MNIST's 60,000 decoded images), or all stop."""
+    if accelerator.num_processes == 1:  # nothing to compare: no hashing at start-up
+        return
     data = {}
-    if accelerator.num_processes > 1:  # at one process there is nothing to compare: no hashing at start-up
-        for name, dataset in (("training set", train_set), ("test set", test_set)):
-            digest = hashlib.sha256()  # 0.1 s for MNIST's 60,000 decoded images
-            for tensor in dataset.tensors if hasattr(dataset, "tensors") else (dataset.data, dataset.targets):
-                digest.update(torch.as_tensor(tensor).contiguous().numpy())
-            data[name] = f"the {name} has {len(dataset)} samples with SHA-256 {digest.hexdigest()[:12]}"
-    return {"flags": {name: f"--{name} is {value!r}" for name, value in trained.items()},
-            "profile": {name: f"{name} is {value}" for name, value in profile.items()},
-            "code": {name: f"{name} has SHA-256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}" for name, path in code.items()},
-            "packages": {"torch": f"torch is {torch.__version__}", "accelerate": f"accelerate is {accelerate.__version__}"},
-            "data": data, "host": socket.gethostname()}
+    for name, dataset in (("training set", train_set), ("test set", test_set)):
+        digest = hashlib.sha256()
+        for tensor in dataset.tensors if hasattr(dataset, "tensors") else (dataset.data, dataset.targets):
+            digest.update(torch.as_tensor(tensor).contiguous().numpy())
+        data[name] = f"the {name} has {len(dataset)} samples with SHA-256 {digest.hexdigest()[:12]}"
+    stop_at_a_difference({"data": data})
+
+
+def stop_at_a_difference(description):
+    """Gathers every process's description (what it compares, each as a sentence part that says its value)
+    and raises the first difference between process 0's and another's."""
+    everyone = gather_object([{**description, "host": socket.gethostname()}])
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        for part in description:
+            for name in sorted(first[part].keys() | theirs[part].keys()):
+                if first[part].get(name) != theirs[part].get(name):
+                    said = [each[part].get(name, f"{name} is not there") for each in (theirs, first)]
+                    raise UserError(f"The processes disagree before the first step: {said[0]} in process {rank} on {theirs['host']} "
+                                    f"but {said[1]} in process 0 on {first['host']}: {ADVICE[part]}.", every_process=True)

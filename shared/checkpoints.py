@@ -98,7 +98,8 @@ class Checkpoints:
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
             "batches_per_epoch": self.batches_per_epoch, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():
+            shutil.rmtree(final)
         partial.rename(final)
         for old in checkpoints_in(self.folder)[:-self.keep] if self.keep else []:
             shutil.rmtree(old)

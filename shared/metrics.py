@@ -22,8 +22,7 @@ class EpochStats:
         self.loss_sum = torch.zeros((), device=accelerator.device)  # sum of loss x batch size
         self.samples = self.batches = 0
         self.started = time.perf_counter()
-        if accelerator.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(accelerator.device)
+        reset_peak_memory(accelerator.device)
         if carried_over is not None:
             self.batches = carried_over.batches_done
             self.started -= carried_over.epoch_seconds
@@ -56,15 +55,36 @@ class EpochStats:
 
     def summary(self):
         """Every process must call this (two collectives): the epoch's mean loss over every process's
-        samples, the global training samples per second, and the largest peak memory of any process in
-        MiB (on a GPU what PyTorch allocated in the epoch; on a CPU the process's resident set so far)."""
+        samples, the global training samples per second, and the largest peak memory of any process."""
         (loss_sum, samples), elapsed = self.snapshot()
         device = self.accelerator.device
-        peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux counts it in KiB
-        peaks = self.accelerator.gather(torch.tensor([peak], device=device))
+        peaks = self.accelerator.gather(torch.tensor([peak_memory_mb(device)], device=device))
         return {"train_loss": loss_sum / max(samples, 1), "train_samples_seen": int(samples),  # the padding of the last batches included
                 "samples_per_sec": samples / elapsed, "peak_memory_mb": round(float(peaks.max()), 1)}
+
+
+def reset_peak_memory(device):
+    """A new peak from now: CUDA's allocated, or the process's resident set (reset through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:  # not Linux: the peak then counts from the start of the process
+        pass
+
+
+def peak_memory_mb(device):
+    """This process's peak memory in MiB since reset_peak_memory: on a GPU what PyTorch allocated; on a
+    CPU the resident set (the model, the data set, PyTorch: all the process held in RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class MetricsLog:

@@ -3,6 +3,7 @@ and read for either --data_pipeline. The scripts call load() inside main_process
 process downloads and the others read its files. torchvision is imported only where it is used (about
 0.5 s of CPU per process): --help and an in-memory run whose files are there never load it."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -94,20 +95,26 @@ def _per_sample_transform(stats):
 
 
 def _read_raw(name, raw_folder, prefix):
-    """One split of torchvision's MNIST files, read as torchvision reads them but without its import
-    (tests/test_data.py shows the tensors are bitwise torchvision's). IDX, MNIST's format: a 4-byte magic
-    number whose last byte is the number of dimensions, one big-endian 4-byte size per dimension, the bytes."""
-    arrays = []
-    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
-        try:
-            data = (raw_folder / f"{prefix}-{kind}").read_bytes()
-        except OSError as error:
-            raise _unreadable(name, raw_folder, first_line(error)) from None
-        shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3] if len(data) > 3 else 0)]
-        if len(data) < 4 or data[:3] != b"\x00\x00\x08" or len(data) != 4 + 4 * len(shape) + np.prod(shape, dtype=int):
-            raise _unreadable(name, raw_folder, f"{prefix}-{kind} is not an IDX file of unsigned bytes of the size its header says")
-        arrays.append(torch.frombuffer(bytearray(data[4 + 4 * len(shape):]), dtype=torch.uint8).view(shape))
-    return ArrayDataset(arrays[0], arrays[1].long(), transform=None)
+    """One split ("train" or "t10k") of torchvision's MNIST files, read as torchvision reads them but
+    without its import (tests/test_data.py shows the tensors are bitwise torchvision's)."""
+    try:
+        images, labels = (_read_idx(raw_folder / f"{prefix}-{kind}") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+    except (ValueError, OSError) as error:
+        raise _unreadable(name, raw_folder, first_line(error)) from None
+    return ArrayDataset(images, labels.long(), transform=None)
+
+
+def _read_idx(path):
+    """An IDX file of unsigned bytes (MNIST's format): a 4-byte magic number whose last byte is the
+    number of dimensions, one big-endian 4-byte size per dimension, then the data."""
+    data = path.read_bytes()
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path.name} is not an IDX file of unsigned bytes")
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3]))
+    body = 4 + 4 * len(shape)
+    if len(data) != body + math.prod(shape):
+        raise ValueError(f"{path.name} holds {len(data) - body} bytes of data where its header says {math.prod(shape)}")
+    return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
 
 
 def _download(name, data_dir, train, transform, download):

@@ -113,6 +113,7 @@ def _hold(path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            lock.close()
             raise UserError(f"--output_dir {path.parent} is in use by a run still going ({_holder(path.parent) or 'another process'}): "
                             "wait for it to end, stop it, or choose another --output_dir.") from None
         with contextlib.suppress(FileNotFoundError):  # else an ending run removed the file it had locked: lock the new one

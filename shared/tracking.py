@@ -41,7 +41,8 @@ def starting(accelerator, output_dir, report_to):
     with one sentence, not a traceback on one and a wait on the others; the trackers started before it
     are closed, and the stores they made in output_dir removed (a resumed run's stay)."""
     output_dir = Path(output_dir).resolve()
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
+    if report_to in ("mlflow", "all"):
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
     stores = [output_dir / name for name in (TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)]
     there_before = [store.exists() for store in stores]
     error = None

@@ -181,16 +181,18 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_processes, small_data, reference, tmp_path):
-    """Bytes of the newest checkpoint's weights changed in place, the size kept: `latest` says so and
-    resumes from the one before (the damaged one stays), to the end of the run that never stopped; the
-    damaged one named outright stops the run with a sentence naming the file."""
+    """Bytes of a file of the newest checkpoint changed in place, the size kept (its weights; at 2
+    processes rank 1's RNG state, which the main process hashed too): `latest` says so and resumes from
+    the one before (the damaged one stays), to the end of the run that never stopped; the damaged one
+    named outright stops the run with a sentence naming the file."""
     reference = reference(num_processes)
     run_dir = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     newest, before = checkpoints_in(run_dir / "checkpoints")[-1], checkpoints_in(run_dir / "checkpoints")[-2]
-    weights_file = newest / "model.safetensors"
+    damaged = "model.safetensors" if num_processes == 1 else "random_states_1.pkl"
+    weights_file = newest / damaged
     data = bytearray(weights_file.read_bytes())
-    data[-100:-90] = bytes(10)
+    data[-100:-90] = bytes(byte ^ 0xFF for byte in data[-100:-90])  # changed, whatever they were
     weights_file.write_bytes(bytes(data))
     lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["epoch"] < read_state(before)["epoch"]))
@@ -198,11 +200,11 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     named = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", newest),
                 cwd=tmp_path, check=False)
     assert named.returncode == 1 and "Traceback" not in named.stderr
-    assert f"error: Checkpoint {newest} is damaged (model.safetensors differs from what was saved): resume from an earlier checkpoint" in named.stderr
+    assert f"error: Checkpoint {newest} is damaged ({damaged} differs from what was saved): resume from an earlier checkpoint" in named.stderr
 
     result = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
                  cwd=tmp_path)
-    assert f"Skipping damaged checkpoint {newest} (model.safetensors differs from what was saved); trying the one before it." in result.stdout
+    assert f"Skipping damaged checkpoint {newest} ({damaged} differs from what was saved); trying the one before it." in result.stdout
     assert f"Resumed from {before}:" in result.stdout
     kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
     assert checkpoint_damage(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not checkpoint_damage(newest)
