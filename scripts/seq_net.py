@@ -15,8 +15,8 @@ from accelerate.utils import broadcast, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from shared import (agreement, checkpoints, ddp_options, devices, errors, flags, metrics, mnist_data, profiling, run_folder,
-                    stop_together, tracking)
+from shared import (agreement, checkpoints, ddp_options, devices, errors, evaluation, flags, metrics, mnist_data, profiling,
+                    run_folder, stop_together, tracking)
 from shared.early_stopping import EarlyStopping
 from shared.in_memory_loader import InMemoryLoader
 from shared.preemption import Preemption
@@ -133,13 +133,13 @@ def main(argv=None):
     accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
 
     if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
-        weights = checkpoints.weights_to_evaluate(accelerator, args.resume_from_checkpoint, output_dir)  # every process
+        weights = evaluation.weights_to_evaluate(accelerator, args.resume_from_checkpoint, output_dir)  # every process
         if weights.is_file():
-            checkpoints.load_model_file(accelerator, model, weights)
+            evaluation.load_model_file(accelerator, model, weights)
         else:
             with checkpoints.loading(weights, accelerator):
                 accelerator.load_state(weights)
-        metrics.report_eval(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
+        evaluation.report(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
         accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
         accelerator.end_training()
         return

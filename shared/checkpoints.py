@@ -17,13 +17,12 @@ import warnings
 from pathlib import Path
 
 from accelerate.utils import gather_object
-from safetensors.torch import load_file
 
 from shared import stop_together
 from shared.errors import UserError, first_line
 from shared.metrics import read_records
-from shared.run_folder import (CHECKPOINT_FOLDER, METRICS_FILE, MODEL_FILE, STATE_FILE, checkpoint_folder, checkpoints_in,
-                               model_saved_after, writes_here)
+from shared.run_folder import (CHECKPOINT_FOLDER, METRICS_FILE, STATE_FILE, checkpoint_folder, checkpoints_in, model_saved_after,
+                               writes_here)
 
 
 @dataclasses.dataclass
@@ -224,38 +223,6 @@ def sha256(path):
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def weights_to_evaluate(accelerator, spec, output_dir):
-    """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`: a
-    checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir."""
-    if not spec:
-        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
-    if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
-        return Path(spec)
-    checkpoint = first_intact(accelerator, output_dir, spec)
-    if spec != "latest":
-        return checkpoint
-    model_file = Path(output_dir) / MODEL_FILE  # on every machine, where each has a disk of its own
-
-    def newest():
-        found = [path for path in (checkpoint, model_file) if path is not None and path.exists()]
-        if not found:
-            raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
-                            "of a run, or a path.")
-        return max(found, key=lambda path: path.stat().st_mtime) == model_file
-    return model_file if stop_together.on_main_process(accelerator, newest) else checkpoint
-
-
-def load_model_file(accelerator, model, path):
-    """--eval_only: a model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
-
-    try:
-        set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), load_file(path),
-                             options=StateDictOptions(full_state_dict=True))
-    except Exception as error:  # safetensors and load_state_dict raise many kinds
-        raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
 
 
 @contextlib.contextmanager

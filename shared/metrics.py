@@ -1,5 +1,5 @@
 """The numbers a run reports: each epoch's loss, speed and peak memory over all processes, with the stop
-of a run whose loss or weights are no longer finite; their record in metrics.jsonl; --eval_only's eval.json."""
+of a run whose loss or weights are no longer finite, and their record in metrics.jsonl."""
 
 import json
 import resource
@@ -9,7 +9,7 @@ import torch
 
 from shared import stop_together
 from shared.errors import UserError
-from shared.run_folder import EVAL_FILE, METRICS_FILE
+from shared.run_folder import METRICS_FILE
 
 
 class EpochStats:
@@ -137,19 +137,6 @@ def epoch_line(record, num_epochs):
     return (f"epoch {record['epoch']}/{num_epochs}  train_loss {record['train_loss']:.4f}  eval_loss {record['eval_loss']:.4f}  "
             f"eval_accuracy {record['eval_accuracy']:.4f}  {record['samples_per_sec']:,.0f} samples/s  "
             f"peak {record['peak_memory_mb']:,.0f} MB  world_size {record['world_size']}")
-
-
-def report_eval(result, source, accelerator, output_dir):
-    """Every process must call this, though the main process alone writes (a failed write stops all of
-    them): --eval_only's accuracy and per-class accuracy of the weights, printed and saved as eval.json."""
-    result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
-    accelerator.print(f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
-                      f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})")
-    for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
-        accelerator.print(f"  class {label}: {accuracy:.4f}")
-    with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
-        if accelerator.is_main_process:
-            write_whole(output_dir / EVAL_FILE, json.dumps(result, indent=1))
 
 
 def write_whole(path, text):

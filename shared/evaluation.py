@@ -1,0 +1,58 @@
+"""--eval_only: which weights --resume_from_checkpoint names, loaded into the prepared model, and their
+accuracy printed and saved as eval.json."""
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from shared import stop_together
+from shared.checkpoints import first_intact
+from shared.errors import UserError, first_line
+from shared.metrics import write_whole
+from shared.run_folder import EVAL_FILE, MODEL_FILE
+
+
+def weights_to_evaluate(accelerator, spec, output_dir):
+    """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`: a
+    checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir."""
+    if not spec:
+        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
+    if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
+        return Path(spec)
+    checkpoint = first_intact(accelerator, output_dir, spec)
+    if spec != "latest":
+        return checkpoint
+    model_file = Path(output_dir) / MODEL_FILE  # on every machine, where each has a disk of its own
+
+    def newest():
+        found = [path for path in (checkpoint, model_file) if path is not None and path.exists()]
+        if not found:
+            raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
+                            "of a run, or a path.")
+        return max(found, key=lambda path: path.stat().st_mtime) == model_file
+    return model_file if stop_together.on_main_process(accelerator, newest) else checkpoint
+
+
+def load_model_file(accelerator, model, path):
+    """A model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
+
+    try:
+        set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), load_file(path),
+                             options=StateDictOptions(full_state_dict=True))
+    except Exception as error:  # safetensors and load_state_dict raise many kinds
+        raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
+
+
+def report(result, source, accelerator, output_dir):
+    """Every process must call this, though the main process alone writes (a failed write stops all of
+    them): the accuracy and per-class accuracy of the weights from `source`, printed and saved as eval.json."""
+    result = {"weights": str(source), "world_size": accelerator.num_processes, **result}
+    accelerator.print(f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
+                      f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})")
+    for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
+        accelerator.print(f"  class {label}: {accuracy:.4f}")
+    with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
+        if accelerator.is_main_process:
+            write_whole(output_dir / EVAL_FILE, json.dumps(result, indent=1))
