@@ -66,8 +66,10 @@ class Checkpoints:
         (metrics.EpochStats) marks a save inside `epoch`, with its sums so far (one all-reduce).
         A save that fails on any process (a full disk, an I/O error) stops every one with one sentence;
         the checkpoints before it stay complete, and `latest` still names the newest."""
-        totals, seconds = stats.snapshot() if stats else ((0.0, 0.0), 0.0)
-        position = Position(None, epoch, stats.batches if stats else 0, step, totals, seconds, time.perf_counter() - self.started)
+        position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
+        if stats is not None:
+            position.batches_done = stats.batches
+            position.epoch_totals, position.epoch_seconds = stats.snapshot()
         final, partial = checkpoint_folder(self.output_dir, step), checkpoint_folder(self.output_dir, step, ".tmp_")
         if self.writes:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
@@ -100,8 +102,9 @@ class Checkpoints:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        for old in checkpoints_in(self.folder)[:-self.keep] if self.keep else []:
-            shutil.rmtree(old)
+        if self.keep:
+            for old in checkpoints_in(self.folder)[:-self.keep]:
+                shutil.rmtree(old)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a

@@ -28,9 +28,11 @@ def kwargs_handlers(ddp_timeout, comm_hook="no", bucket_cap_mb=None):
         flag = "--ddp_comm_hook" if comm_hook != "no" else "--ddp_bucket_cap_mb"
         raise UserError(f"{flag} shapes DDP's gradient all-reduce, which FSDP (fsdp.yaml) does not use: leave it out, "
                         "or launch with a DDP profile.", every_process=True)
-    ddp = {"comm_hook": DDPCommunicationHookType(comm_hook), "bucket_cap_mb": bucket_cap_mb or 25}  # 25: torch's default
+    ddp = {"comm_hook": DDPCommunicationHookType(comm_hook)}
     if comm_hook == "power_sgd":
         ddp["comm_state_option"] = {"start_powerSGD_iter": 2}
+    if bucket_cap_mb:
+        ddp["bucket_cap_mb"] = bucket_cap_mb
     if int(os.environ.get("WORLD_SIZE", "1")) >= 3 and comm_hook != "power_sgd":  # WORLD_SIZE: set by every launcher
         ddp["find_unused_parameters"] = True
     return [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)), DistributedDataParallelKwargs(**ddp)]

