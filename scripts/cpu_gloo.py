@@ -39,7 +39,7 @@ loss_function = F.cross_entropy  # SimpleNet returns logits
 
 
 def parse_args(argv=None):
-    parser = flags.training_parser(__doc__, output_dir="runs/cpu_gloo")
+    parser = flags.training_parser(__doc__, output_dir="runs/cpu_gloo", hub_name="ylecun/mnist")
     # The tutorial's SGD at lr 0.01, batch 64.
     parser.add_argument("--num_epochs", type=flags.positive_int, default=5, help="passes over the training set")
     parser.add_argument("--batch_size", type=flags.positive_int, default=64, help=flags.BATCH_SIZE_HELP)
@@ -47,7 +47,6 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=flags.learning_rate, default=0.01, help="SGD's learning rate (the same at every world size)")
     parser.add_argument("--gamma", type=flags.positive_float, default=1.0, help="learning-rate factor applied after each epoch")
     parser.add_argument("--log_interval", type=flags.positive_int, default=100, help="batches between the lines of every rank's loss")
-    flags.add_mnist_flags(parser, hub_name="ylecun/mnist")
     return parser.parse_args(argv)
 
 

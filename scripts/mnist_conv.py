@@ -46,7 +46,7 @@ loss_function = F.nll_loss  # Net returns log-probabilities
 
 
 def parse_args(argv=None):
-    parser = flags.training_parser(__doc__, output_dir="runs/mnist_conv")
+    parser = flags.training_parser(__doc__, output_dir="runs/mnist_conv", hub_name="ylecun/mnist")
     # pytorch/examples' recipe for this net: Adadelta at lr 1.0, decayed by 0.7 per epoch (the tutorial's lr 0.01 learns far slower).
     parser.add_argument("--num_epochs", type=flags.positive_int, default=5, help="passes over the training set")
     parser.add_argument("--batch_size", type=flags.positive_int, default=64, help=flags.BATCH_SIZE_HELP)
@@ -55,7 +55,6 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=flags.positive_float, default=0.7, help="learning-rate factor applied after each epoch")
     parser.add_argument("--channels_last", action="store_true",
                         help="keep the conv activations in NHWC order, which the GPU's fastest bf16 and fp16 convolutions use")
-    flags.add_mnist_flags(parser, hub_name="ylecun/mnist")
     return parser.parse_args(argv)
 
 

@@ -49,7 +49,7 @@ loss_function = F.cross_entropy  # SeqNet returns logits
 
 
 def parse_args(argv=None):
-    parser = flags.training_parser(__doc__, output_dir="runs/seq_net")
+    parser = flags.training_parser(__doc__, output_dir="runs/seq_net", hub_name="zalando-datasets/fashion_mnist")
     # The tutorial's Adam at lr 0.01 for 10 epochs. Batch 200, not its 100: 100 does not split over the 8 processes of
     # 8gpu.yaml and 2node_4gpu.yaml; 200 does, and divides FashionMNIST's 60,000 samples, so no epoch ends in a ragged batch.
     parser.add_argument("--num_epochs", type=flags.positive_int, default=10, help="passes over the training set")
@@ -57,7 +57,6 @@ def parse_args(argv=None):
     parser.add_argument("--eval_batch_size", type=flags.positive_int, default=1000, help="evaluation batch size per process")
     parser.add_argument("--lr", type=flags.learning_rate, default=0.01, help="Adam's learning rate (the same at every world size)")
     parser.add_argument("--gamma", type=flags.positive_float, default=1.0, help="learning-rate factor applied after each epoch")
-    flags.add_mnist_flags(parser, hub_name="zalando-datasets/fashion_mnist")
     return parser.parse_args(argv)
 
 

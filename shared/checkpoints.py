@@ -21,8 +21,7 @@ from accelerate.utils import gather_object
 from shared import stop_together
 from shared.errors import UserError, first_line
 from shared.metrics import read_records
-from shared.run_folder import (CHECKPOINT_FOLDER, METRICS_FILE, STATE_FILE, checkpoint_folder, checkpoints_in, model_saved_after,
-                               writes_here)
+from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, STATE_FILE, checkpoints_in, model_saved_after, writes_here
 
 
 @dataclasses.dataclass
@@ -70,7 +69,7 @@ class Checkpoints:
         if stats is not None:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
-        final, partial = checkpoint_folder(self.output_dir, step), checkpoint_folder(self.output_dir, step, ".tmp_")
+        final, partial = self.folder / f"step_{step:08d}", self.folder / f".tmp_step_{step:08d}"  # .tmp_: being written
         if self.writes:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
         self.accelerator.wait_for_everyone()
@@ -189,7 +188,7 @@ def first_intact(accelerator, output_dir, spec):
     deleted) and tries the one before. None: there is none."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
-                                          if spec == "latest" else [str(spec)] if read_state(Path(spec)) else [])
+                                          if spec == "latest" else [named_checkpoint(Path(spec))])
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
         damaged_here = damage(path) if writes_here(accelerator) else None
@@ -206,11 +205,10 @@ def first_intact(accelerator, output_dir, spec):
 
 
 def damage(folder):
-    """The first file of a checkpoint folder that is missing or differs from the digest its state file
-    recorded, in a sentence part; None when all are as saved."""
+    """The first file of a checkpoint folder that is missing or differs from its recorded digest, as a sentence part; or None."""
     try:
         recorded = json.loads((folder / STATE_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         return f"its {STATE_FILE} cannot be read: {error}"
     for name, digest in recorded.items():
         if not (folder / name).is_file():
@@ -256,8 +254,8 @@ def apply_flags_schedule(accelerator, scheduler, lr, gamma):
         group["initial_lr"], group["lr"] = lr, lr * gamma ** (step_lr.last_epoch // step_lr.step_size)
 
 
-def read_state(path):
-    """A checkpoint folder's trainer_state.json, or a sentence saying why `path` is none."""
+def named_checkpoint(path):
+    """`path` as a string once it is a checkpoint folder whose trainer_state.json reads, else a sentence saying why not."""
     if path.is_file():
         raise UserError(
             f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
@@ -265,6 +263,7 @@ def read_state(path):
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
     try:
-        return json.loads((path / STATE_FILE).read_text())
+        json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as error:
         raise UserError(f"Checkpoint {path} is incomplete or corrupt ({first_line(error)}): resume from an earlier one.") from None
+    return str(path)

@@ -5,8 +5,6 @@ resumed run remembers how long its eval loss has not improved), and tells the ot
 then stops after the same epoch, even where their float sums of the same numbers differ in the last bit.
 """
 
-from accelerate.utils import broadcast_object_list
-
 from shared import stop_together
 from shared.errors import UserError
 from shared.metrics import read_records
@@ -21,12 +19,12 @@ class EarlyStopping:
         """Every process must call this (one broadcast), before log.continue_from(start) cuts metrics.jsonl.
         A run that had already stopped early after its last recorded epoch, and saved its model after the
         checkpoint it resumes (`start`, a checkpoints.Position), stops with a sentence instead of training on."""
-        self.accelerator, self.patience, self.target = accelerator, patience, target
-        self.history = read_records(output_dir) if accelerator.is_main_process else []
+        self.accelerator, self.patience, self.target, self.history = accelerator, patience, target, []
         stop_together.on_main_process(accelerator, lambda: self._check_not_stopped(output_dir, start.path))
         self.history = [record for record in self.history if record["epoch"] < start.epoch]  # the epochs a resumed run keeps
 
     def _check_not_stopped(self, output_dir, checkpoint):
+        self.history = read_records(output_dir)  # the main process's alone: only it decides
         if self.history and model_saved_after(output_dir, checkpoint) and (reason := self._reason(self.history[-1])):
             raise UserError(f"The run in {output_dir} already stopped early after epoch {self.history[-1]['epoch']} ({reason}): "
                             "loosen --early_stopping_patience or --early_stopping_target to train further, or start a new run "
@@ -37,8 +35,7 @@ class EarlyStopping:
         if self.patience is None and self.target is None:
             return None
         self.history.append(record)
-        (reason,) = broadcast_object_list([self._reason(record) if self.accelerator.is_main_process else None])
-        return reason
+        return stop_together.on_main_process(self.accelerator, lambda: self._reason(record))
 
     def _reason(self, record):
         if self.target is not None and record["eval_accuracy"] >= self.target:

@@ -1,6 +1,7 @@
 """How a training process ends when something goes wrong: one sentence and an exit code, never a
 traceback per process, a hang, or a half-made folder left behind."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -134,10 +135,8 @@ def make_folders(path):
 
 def remove_what_the_failed_run_made():
     for path in reversed(_MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
-        try:
+        with contextlib.suppress(OSError):
             path.rmdir() if path.is_dir() else path.unlink()  # rmdir only succeeds when empty
-        except OSError:
-            pass
 
 
 def leave_process_group_together(timeout_s=10):
@@ -154,7 +153,5 @@ def leave_process_group_together(timeout_s=10):
 
 
 def _barrier_quietly():
-    try:
+    with contextlib.suppress(Exception):  # a peer already left: nothing more to wait for
         torch.distributed.barrier()
-    except Exception:  # noqa: BLE001  a peer already left: nothing more to wait for
-        pass

@@ -56,8 +56,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """--help keeps the docstring's example lines as written, and shows every default."""
 
 
-def training_parser(description, *, output_dir):
-    """A parser with the flags every complete script shares; the script adds its own."""
+def training_parser(description, *, output_dir, hub_name):
+    """A parser with the flags every complete script shares (`hub_name`: --dataset_name's default); the script adds its own."""
     parser = OneLineParser(description=description, formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--output_dir", default=output_dir, help="where metrics.jsonl, model.safetensors and checkpoints go")
@@ -95,12 +95,6 @@ def training_parser(description, *, output_dir):
     add("--with_tracking", action="store_true", help="log hyperparameters and epoch metrics to --report_to")
     add("--report_to", choices=["tensorboard", "mlflow", "all"], default=None,
         help="tracker for --with_tracking, stored under --output_dir (default: tensorboard)")
-    return parser
-
-
-def add_mnist_flags(parser, hub_name):
-    """The flags of the scripts that read an MNIST-family data set."""
-    add = parser.add_argument
     add("--data_dir", default="./data", help="where data sets are cached (downloaded once per machine)")
     add("--num_workers", type=non_negative_int, default=0, help="DataLoader worker processes per training process")
     add("--dataset_source", choices=["torchvision", "hub"], default="torchvision",
@@ -109,6 +103,7 @@ def add_mnist_flags(parser, hub_name):
     add("--data_pipeline", choices=["memory", "torchvision"], default="memory",
         help="memory: decode once, slice batches from tensors on the device; torchvision: the tutorials' "
         "per-sample DataLoader, for data that does not fit in memory")
+    return parser
 
 
 def batch_size_per_process(batch_size, num_processes, split):

@@ -1,9 +1,12 @@
 """The numbers a run reports: each epoch's loss, speed and peak memory over all processes, with the stop
 of a run whose loss or weights are no longer finite, and their record in metrics.jsonl."""
 
+import contextlib
 import json
 import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,11 +71,8 @@ def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as file:
-            file.write("5")
-    except OSError:  # not Linux: the peak then counts from the start of the process
-        pass
+    with contextlib.suppress(OSError):  # not Linux: the peak then counts from the start of the process
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_memory_mb(device):
@@ -84,7 +84,7 @@ def peak_memory_mb(device):
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes there, KiB on Linux
 
 
 class MetricsLog:

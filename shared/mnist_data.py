@@ -29,14 +29,18 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, "
                         "or an empty one to download them into.")
-    transform = _per_sample_transform(stats) if pipeline == "torchvision" else None
+    transform = None
+    if pipeline == "torchvision":  # ToTensor, then Normalize with the data set's statistics (none for pixels kept in [0, 1])
+        from torchvision import transforms
+
+        transform = transforms.Compose([transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else []))
     raw_folder = Path(data_dir) / name / "raw"
     if source == "hub":
         splits = _from_hub(hub_name, data_dir, transform, download)
     elif pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
         splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
-        splits = [_download(name, data_dir, train, transform, download) for train in (True, False)]
+        splits = [_download(name, data_dir, raw_folder, train, transform, download) for train in (True, False)]
     return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 
@@ -87,13 +91,6 @@ def _from_hub(hub_name, data_dir, transform, download):
         hub.logging.set_verbosity(verbosity)
 
 
-def _per_sample_transform(stats):
-    """ToTensor, then Normalize with the data set's statistics (none for pixels kept in [0, 1])."""
-    from torchvision import transforms
-
-    return transforms.Compose([transforms.ToTensor()] + ([transforms.Normalize((stats[0],), (stats[1],))] if stats else []))
-
-
 def _read_raw(name, raw_folder, prefix):
     """One split ("train" or "t10k") of torchvision's MNIST files, read as torchvision reads them but
     without its import (tests/test_data.py shows the tensors are bitwise torchvision's)."""
@@ -117,9 +114,8 @@ def _read_idx(path):
     return torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8).view(shape)
 
 
-def _download(name, data_dir, train, transform, download):
-    """torchvision's data set, downloaded into <data_dir>/<name>/raw/ when its files are not there (if `download`)."""
-    raw_folder = Path(data_dir) / name / "raw"
+def _download(name, data_dir, raw_folder, train, transform, download):
+    """torchvision's data set, downloaded into raw_folder when its files are not there (if `download`)."""
     _make(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 

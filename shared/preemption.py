@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 from shared.errors import STOPPED_EXIT_CODE, exit_now
 
@@ -71,8 +72,4 @@ class Preemption:
             time.sleep(0.5)
 
     def _busy(self, frame):
-        while frame is not None:
-            if frame.f_code.co_name in self.BUSY_IN:
-                return True
-            frame = frame.f_back
-        return False
+        return frame is not None and any(each.f_code.co_name in self.BUSY_IN for each, _ in traceback.walk_stack(frame))

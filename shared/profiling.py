@@ -10,6 +10,7 @@ profiler only observes: a profiled run trains the weights of one that is not.
 import contextlib
 import os
 import sys
+import types
 
 import torch
 from accelerate.utils import ProfileKwargs
@@ -20,14 +21,9 @@ from shared.run_folder import PROFILE_FOLDER
 SKIP, WARMUP, ACTIVE = 5, 2, 5
 
 
-class _Off:
-    def step(self):
-        pass
-
-
 def off():
     """The stand-in for accelerator.profile() without --profile: its step() does nothing."""
-    return contextlib.nullcontext(_Off())
+    return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
 
 
 def window(accelerator, output_dir, model):
@@ -44,8 +40,7 @@ def window(accelerator, output_dir, model):
         accelerator.print(f"--profile wrote a trace per process to {folder}: `python tools/step_time.py {folder}` "
                           "shows where a step's time went.")
 
-    activities = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    return _Window(activities=activities, on_trace_ready=write,
+    return _Window(on_trace_ready=write,  # torch's default activities: the CPU, and the GPU where there is one
                    schedule_option={"skip_first": SKIP, "wait": 0, "warmup": WARMUP, "active": ACTIVE, "repeat": 1})
 
 

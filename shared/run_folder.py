@@ -24,12 +24,6 @@ TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS = "tensorboard", "mlflow.db", "m
 LOCK_FILE = ".lock"  # locked by the live run's main process; the kernel lets go when that process ends, however it ends
 
 
-def checkpoint_folder(output_dir, step, kind=""):
-    """The checkpoint after optimizer `step`; kind ".tmp_" while it is written, "damaged_" when set aside,
-    "abandoned_" when a resume from an earlier one branched before it (shared/checkpoints.py)."""
-    return Path(output_dir) / CHECKPOINT_FOLDER / f"{kind}step_{step:08d}"
-
-
 def checkpoints_in(folder):
     """The complete checkpoints in a checkpoints folder, oldest first (a .tmp_ one being written is not)."""
     found = [path for path in Path(folder).glob("step_*") if (path / STATE_FILE).is_file()]

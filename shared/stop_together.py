@@ -60,7 +60,6 @@ class FailureCaught(contextlib.AbstractContextManager):
         if isinstance(error, UserError):
             self.sentence = str(error)
             return True
-        return None
 
     def raise_everywhere(self):
         """Every process must call this: a failure caught on any process stops all of them with its sentence."""

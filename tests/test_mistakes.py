@@ -41,6 +41,9 @@ def place(tmp_path_factory, fork_servers):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
     shutil.copytree(root / "earlier", root / "preempted")  # its model not saved yet
     (root / "preempted" / "model.safetensors").unlink()
+    shutil.copytree(root / "preempted", root / "bad_records")  # metrics.jsonl's first record cut, not its last
+    records = (root / "bad_records" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (root / "bad_records" / "metrics.jsonl").write_text(records[0][:20] + "\n" + "".join(records[1:]))
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
@@ -57,7 +60,7 @@ def snapshot(root):
     """Every file under the earlier runs, by content."""
     return {
         str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "preempted", "data")
+        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "preempted", "bad_records", "data")
         for path in sorted((root / folder).rglob("*")) if path.is_file()
     }
 
@@ -180,6 +183,11 @@ MISTAKES = {
     "eval_only without weights": (lambda p: cpu_gloo(p, "--eval_only", output="earlier"), "--eval_only needs --resume_from_checkpoint"),
     "eval_only with another model's weights": (lambda p: cpu_gloo(p, "--eval_only", "--resume_from_checkpoint", p / "toy" / "model.safetensors", output="earlier"),
                                                "does not hold this script's model weights"),
+    # Read by the main process alone, which must stop the others with it rather than leave them waiting.
+    "a damaged metrics.jsonl in a run to resume, 2 processes": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
+                         "--output_dir", p / "bad_records", "--num_epochs", "3", "--resume_from_checkpoint", "latest"),
+        "metrics.jsonl line 1 is not a record of an epoch: fix or delete that line"),
     "resume with another batch size in mid-epoch 2 processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
                          "--output_dir", p / "earlier", "--num_epochs", "4", "--resume_from_checkpoint", "latest"),
