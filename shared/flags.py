@@ -59,7 +59,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def training_parser(description, *, output_dir, hub_name):
     """A parser with the flags every complete script shares (`hub_name`: --dataset_name's default); the script adds its own."""
     parser = OneLineParser(description=description, formatter_class=HelpFormatter)
-    add = parser.add_argument
+    add = parser.add_argument_group("flags every complete template shares").add_argument  # --help lists the script's own first
     add("--output_dir", default=output_dir, help="where metrics.jsonl, model.safetensors and checkpoints go")
     add("--seed", type=seed, default=42, help="seed for weights, shuffling and every random generator")
     add("--max_train_steps", type=positive_int, default=None,
