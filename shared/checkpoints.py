@@ -21,7 +21,8 @@ from accelerate.utils import gather_object
 from shared import stop_together
 from shared.errors import UserError, first_line
 from shared.metrics import read_records
-from shared.run_folder import CHECKPOINT_FOLDER, METRICS_FILE, STATE_FILE, checkpoints_in, model_saved_after, writes_here
+from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoints_in, model_saved_after,
+                               writes_here)
 
 
 @dataclasses.dataclass
@@ -69,7 +70,8 @@ class Checkpoints:
         if stats is not None:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
-        final, partial = self.folder / f"step_{step:08d}", self.folder / f".tmp_step_{step:08d}"  # .tmp_: being written
+        name = CHECKPOINT_NAME.format(step)
+        final, partial = self.folder / name, self.folder / f".tmp_{name}"
         if self.writes:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving
         self.accelerator.wait_for_everyone()
