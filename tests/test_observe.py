@@ -2,9 +2,11 @@
 Each check fails if its flag silently did nothing; a flag that only observes leaves the weights bitwise
 as they were."""
 
+import gzip
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +75,23 @@ def test_the_step_table_of_a_gpu_trace_counts_each_step_once_and_reads_nccl_from
     row = step_time(gpu_shaped_trace())
     assert row == {"step": 10.0, "forward": 2.0, "backward": 3.5, "optimizer": 1.0, "data and loop": 3.5, "all-reduce wait": 1.5,
                    "device busy": 8.5, "all-reduce under backward": 1.0, "steps": 2, "timeline": "device"}
+
+
+def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():
+    """A trace Kineto wrote on an H100 (`mnist_conv.py --profile` at 1 process, batch 64, torch 2.11,
+    2026-11-25; 76 KB gzipped): each of the 5 steps is on the host's main thread and again on the device's
+    row, and is counted once; the phases add up to the step; the device is busy a fraction of it (the
+    small batch is host-bound); one process has no all-reduce. NCCL's columns need a trace of 2 GPUs."""
+    sys.path.insert(0, str(TOOLS))
+    from step_time import step_time
+
+    trace = json.loads(gzip.decompress((Path(__file__).parent / "traces" / "h100_mnist_conv_1gpu_trace_rank0.json.gz").read_bytes()))
+    assert trace["deviceProperties"][0]["name"].startswith("NVIDIA H100")
+    row = step_time(trace)
+    assert row["steps"] == 5 and row["timeline"] == "device", row
+    assert abs(sum(row[phase] for phase in PHASES) - row["step"]) < 0.01, row
+    assert 0 < row["device busy"] < row["step"] / 2, row
+    assert row["all-reduce wait"] == row["all-reduce under backward"] == 0, row
 
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
