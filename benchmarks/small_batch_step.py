@@ -73,7 +73,7 @@ def main():
     args = parser.parse_args()
     torch.backends.cudnn.deterministic = args.deterministic
     if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
+        sys.exit("needs a CUDA GPU")  # CUDA graphs have no CPU counterpart
     generator = torch.Generator(device="cuda").manual_seed(0)
     count = (args.warmup + args.steps) * args.batch_size
     images = torch.randn(count, 1, 28, 28, device="cuda", generator=generator)

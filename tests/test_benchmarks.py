@@ -55,6 +55,12 @@ def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
     assert "no GPU" in result.stdout and "Targets" not in result.stdout
 
 
+def test_small_batch_step_benchmark_says_it_needs_a_gpu():
+    """CUDA graphs are the GPU's: on this CPU the command ends in one line that says so."""
+    result = run([sys.executable, BENCHMARKS / "small_batch_step.py"], cwd=REPO, check=False)
+    assert result.returncode == 1 and result.stderr.strip() == "needs a CUDA GPU"
+
+
 def test_time_to_accuracy_benchmark_times_every_variant(data_dir, tmp_path):
     """The small learnable digits reach the linear net's target within 3 epochs on every variant."""
     result = run([sys.executable, BENCHMARKS / "time_to_accuracy.py", "--data_dir", data_dir, "--scripts", "cpu_gloo.py",

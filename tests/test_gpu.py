@@ -169,3 +169,11 @@ def test_the_gpu_benchmark_writes_its_results_with_the_device_name(tmp_path):
     assert results["device"] == torch.cuda.get_device_name()
     (row,) = results["rows"]
     assert row["script"] > 0 and row["ceiling"] > 0
+
+
+def test_a_cuda_graph_of_the_small_batch_step_trains_the_eager_steps_weights(tmp_path):
+    """benchmarks/small_batch_step.py's claim: under cuDNN's deterministic kernels the graph's weights
+    are bitwise those of the eager step, which is itself repeatable there."""
+    result = run([sys.executable, REPO / "benchmarks" / "small_batch_step.py", "--deterministic", "--steps", "300"], cwd=tmp_path)
+    for way in ("CUDA graph", "eager again", "eager, capturable=True"):
+        assert f"- {way}: bitwise equal" in result.stdout, result.stdout
