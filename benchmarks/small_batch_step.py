@@ -4,9 +4,9 @@ against the device's own time per step (back-to-back replays: the limit of this 
 
     python benchmarks/small_batch_step.py            # on a machine with a CUDA GPU
 
-Both train the script's Net with its Adadelta (lr 1.0) from the same weights on the same batches,
-sliced from random digits already on the GPU, and the run says whether their weights end bitwise
-equal. The graph's optimizer keeps its step on the device (capturable=True), as capture requires.
+Both train the script's Net with its optimizer, learning rate and loss from the same weights on the
+same batches, sliced from random digits already on the GPU, and the run says whether their weights
+end bitwise equal. The graph's optimizer keeps its step on the device (capturable=True), as capture requires.
 """
 
 import argparse
@@ -15,23 +15,23 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
 
+SCRIPT = "mnist_conv.py"
+LOSS, LR = baselines.script_module(SCRIPT).loss_function, baselines.script_defaults(SCRIPT).lr
+
 
 def make(seed, capturable):
     torch.manual_seed(seed)
-    model = baselines.make_model("mnist_conv.py").cuda()
-    return model, torch.optim.Adadelta(model.parameters(), lr=1.0, capturable=capturable)
+    model = baselines.make_model(SCRIPT).cuda()
+    return model, baselines.OPTIMIZERS[SCRIPT](model.parameters(), lr=LR, capturable=capturable)
 
 
 def eager_steps(model, optimizer, batches):
     for inputs, labels in batches:
-        optimizer.zero_grad()
-        F.nll_loss(model(inputs).float(), labels).backward()
-        optimizer.step()
+        baselines.step(model, optimizer, LOSS, inputs, labels)
 
 
 def graphed_step(model, optimizer, first_batches):
@@ -46,7 +46,7 @@ def graphed_step(model, optimizer, first_batches):
     graph = torch.cuda.CUDAGraph()
     optimizer.zero_grad(set_to_none=True)  # backward inside the graph then writes the gradients, not adds to them
     with torch.cuda.graph(graph):
-        F.nll_loss(model(static_inputs).float(), static_labels).backward()
+        LOSS(model(static_inputs), static_labels).backward()
         optimizer.step()
 
     def train_on(inputs, labels):
