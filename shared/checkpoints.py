@@ -155,7 +155,7 @@ class Checkpoints:
             raise UserError(f"The checkpoint to resume is in epoch {state['epoch']} at step {trained}, past the {self.num_epochs} epochs "
                             f"of this run's steps that reach --max_train_steps {max_train_steps}: resume with the --batch_size and "
                             "--gradient_accumulation_steps that saved it (with --no_split_batches, its number of processes too).")
-        finished = max(state["epoch"] - 1, last["epoch"])
+        finished = max(state["epoch"] - 1, last["epoch"] - (not last.get("whole_epoch", True)))  # not one --max_train_steps cut
         if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "
                             "to train further, or start a new run in another --output_dir.")

@@ -269,6 +269,17 @@ def test_max_train_steps_stops_mid_epoch_and_a_resume_ends_bitwise(data_dir, tmp
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"The run in {full} already trained 50 steps: pass a larger --max_train_steps" in done.stderr
 
+    # Its epoch 2, cut short at step 50, is not a finished epoch: the run continues to --num_epochs 2 and
+    # ends as one that trained 2 epochs without stopping. Before, it was refused as already finished.
+    by_epochs = ["--data_dir", data_dir, "--batch_size", "50", "--checkpointing_steps", "30", "--num_epochs", "2"]
+    whole, _ = train("cpu_gloo.py", tmp_path, "whole", *by_epochs)
+    continued, result = train("cpu_gloo.py", tmp_path, "full", *by_epochs, "--resume_from_checkpoint", "latest")
+    assert "epoch 1, 30 batches in, step 30." in result.stdout
+    assert [(r["epoch"], r["step"], r["whole_epoch"]) for r in read_metrics(continued)] == [(1, 40, True), (2, 80, True)]
+    assert [r["whole_epoch"] for r in records] == [True, False]
+    assert_same_weights(weights(whole), weights(continued))
+    assert_same_records(read_metrics(whole), read_metrics(continued), rel=1e-6)
+
 
 def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes_to_save_it(data_dir, tmp_path):
     """The checkpoint of step 50, --max_train_steps, is complete but model.safetensors is not there (a
