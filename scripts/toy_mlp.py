@@ -12,6 +12,7 @@ From a notebook:              notebook_launcher(in_notebook(main), args=([],), n
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -99,6 +100,10 @@ def evaluate(model, loader, accelerator, prefix):
 
 def main(argv=None):
     args = parse_args(argv)
+    asked = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # a GPU profile's gpu_ids: never train on the CPU in their place
+    if asked and not asked.startswith("-") and not torch.cuda.is_available():
+        raise UserError(f"This launch asks for GPUs {asked} (a GPU profile) but PyTorch sees no GPU on this machine: launch with "
+                        "--config_file accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch.", every_process=True)
     # On a machine without GPUs, cpu=True puts a launch's processes into one gloo group (else each trains alone).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               # The shuffle order depends only on the seed and the epoch, identically on every process.

@@ -116,11 +116,13 @@ def test_both_pipelines_shard_identically_with_a_ragged_end(tmp_path):
     assert len(drawn) == 3 * 5 * 8 and set(drawn) == set(range(100))  # 20 samples drawn twice
 
 
-def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(tmp_path):
-    """Under plain accelerate launch, the complete scripts' devices.cpu_only() catches it in every process."""
+@pytest.mark.parametrize("script", ["seq_net.py", "toy_mlp.py"])
+def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(script, tmp_path):
+    """Under plain accelerate launch, the complete scripts' devices.cpu_only() catches it in every
+    process, and the first rung's own check of the profile's gpu_ids; before, toy_mlp.py trained on the CPU."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2gpu.yaml",
-        "--main_process_port", "0", REPO / "scripts" / "seq_net.py", "--output_dir", tmp_path / "run",
+        "--main_process_port", "0", REPO / "scripts" / script, "--output_dir", tmp_path / "run",
     ]
     result = run(command, cwd=tmp_path, check=False)
     assert result.returncode != 0
