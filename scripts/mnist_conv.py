@@ -222,7 +222,8 @@ def main(argv=None):
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator),
                                {"step": step, "lr": scheduler.get_last_lr()[0], "whole_epoch": whole_epoch})
             accelerator.print(metrics.epoch_line(record, num_epochs))
-            accelerator.log(tracking.scalars(record), step=epoch)
+            with tracking.dropped_if_failing(accelerator, args.report_to):  # a tracker failing mid-run, not the run
+                accelerator.log(tracking.scalars(record), step=epoch)
             if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
                 accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
                 break  # without a checkpoint: a kill before the model is saved resumes to train this epoch again

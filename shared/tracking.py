@@ -4,6 +4,7 @@ under --output_dir."""
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from accelerate.utils import ProjectConfiguration, is_mlflow_available, is_tensorboard_available
@@ -57,6 +58,19 @@ def starting(accelerator, output_dir, report_to):
         for store in (store for store, there in zip(stores, there_before) if not there and store.exists()):
             shutil.rmtree(store) if store.is_dir() else store.unlink()
     stop_together.if_any_failed(error)
+
+
+@contextlib.contextmanager
+def dropped_if_failing(accelerator, report_to):
+    """Around accelerator.log(...), which the main process alone runs: a tracker that fails mid-run (its
+    server gone, its database damaged) is dropped with a one-line warning, not the run with a traceback;
+    training goes on, and metrics.jsonl keeps every epoch's record."""
+    try:
+        yield
+    except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
+        print(f"warning: --report_to {report_to or 'tensorboard'} failed to log ({first_line(failure)}): training goes on "
+              "without its trackers, and metrics.jsonl keeps every epoch's record.", file=sys.stderr, flush=True)
+        accelerator.trackers.clear()  # else each later epoch, and end_training, would fail on it again
 
 
 def hyperparameters(flags):

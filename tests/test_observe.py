@@ -5,12 +5,14 @@ as they were."""
 import gzip
 import json
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import TOOLS, checkpoints_in, python_command, read_metrics, read_state, run
+from conftest import TIMEOUT, TOOLS, checkpoints_in, python, python_command, read_metrics, read_state, run, script_env
 from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
@@ -151,6 +153,30 @@ def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_di
     tracked, _ = train("cpu_gloo.py", tmp_path, "tracked", "--max_train_steps", "40", "--with_tracking", data_dir=data_dir)
     events = EventAccumulator(str(next((tracked / "tensorboard").iterdir()))).Reload()
     assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning_and_the_run_trains_on(two_process_run, data_dir, tmp_path):
+    """A real MLflow store damaged once epoch 1 is recorded: its next log raises on the main process.
+    Before, that ended the run in MLflow's traceback with no model saved; now the tracker goes, with one
+    warning, and the run ends as the untracked one, bitwise."""
+    output_dir = tmp_path / "tracked"
+    command = [python(), *script_command("cpu_gloo.py", "--output_dir", output_dir, "--num_epochs", "2", "--data_dir", data_dir,
+                                         "--with_tracking", "--report_to", "mlflow", num_processes=2)[1:]]
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        process = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+        records = output_dir / "metrics.jsonl"
+        while process.poll() is None and not (records.exists() and records.read_text()):  # epoch 2 takes 32 steps more
+            time.sleep(0.005)
+        with open(output_dir / "mlflow.db", "r+b") as store:  # in place, under the connections MLflow holds open
+            store.write(b"\xff" * 16384)
+        assert process.wait(timeout=TIMEOUT) == 0
+        stderr.seek(0)
+        said = stderr.read()
+    assert "Traceback" not in said
+    assert said.count("warning: --report_to mlflow failed to log ((sqlite3.DatabaseError) file is not a database): training goes on "
+                      "without its trackers, and metrics.jsonl keeps every epoch's record.") == 1, said[-3000:]
+    assert [record["world_size"] for record in read_metrics(output_dir)] == [2, 2]
+    assert_same_weights(weights(two_process_run), weights(output_dir))
 
 
 def test_a_tracker_whose_package_is_missing_is_named_not_left_out(monkeypatch):
