@@ -179,8 +179,9 @@ def main(argv=None):
     # Every process: a resumed run that had already stopped early stops with a sentence.
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
     log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
+    # Every process: a tracker that fails to start stops all; one that fails later warns and is left out, not the run.
     if args.with_tracking:
-        with tracking.starting(accelerator, output_dir, args.report_to) as init_kwargs:  # every process: a tracker that fails to start stops all
+        with tracking.starting(accelerator, output_dir, args.report_to) as init_kwargs:
             accelerator.init_trackers("mnist_conv", config=tracking.hyperparameters(vars(args)), init_kwargs=init_kwargs)
 
     step = start.global_step
@@ -222,8 +223,7 @@ def main(argv=None):
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator),
                                {"step": step, "lr": scheduler.get_last_lr()[0], "whole_epoch": whole_epoch})
             accelerator.print(metrics.epoch_line(record, num_epochs))
-            with tracking.dropped_if_failing(accelerator, args.report_to):  # a tracker failing mid-run, not the run
-                accelerator.log(tracking.scalars(record), step=epoch)
+            accelerator.log(tracking.scalars(record), step=epoch)
             if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
                 accelerator.print(f"Stopped early after epoch {epoch}: {reason}.")
                 break  # without a checkpoint: a kill before the model is saved resumes to train this epoch again

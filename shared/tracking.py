@@ -40,7 +40,8 @@ def starting(accelerator, output_dir, report_to):
     (accelerate's MLflow tracker would use ./mlruns of wherever the run started; a MLFLOW_TRACKING_URI you
     set wins). A tracker that fails to start (a server down, a store it cannot make) stops every process
     with one sentence, not a traceback on one and a wait on the others; the trackers started before it
-    are closed, and the stores they made in output_dir removed (a resumed run's stay)."""
+    are closed, and the stores they made in output_dir removed (a resumed run's stay). One that fails
+    later is left out with a warning (_left_out_if_failing), not the run."""
     output_dir = Path(output_dir).resolve()
     if report_to in ("mlflow", "all"):
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
@@ -57,20 +58,30 @@ def starting(accelerator, output_dir, report_to):
                 tracker.finish()
         for store in (store for store, there in zip(stores, there_before) if not there and store.exists()):
             shutil.rmtree(store) if store.is_dir() else store.unlink()
+    else:
+        for tracker in accelerator.trackers:  # the main process's: the others have none
+            _left_out_if_failing(tracker)
     stop_together.if_any_failed(error)
 
 
-@contextlib.contextmanager
-def dropped_if_failing(accelerator, report_to):
-    """Around accelerator.log(...), which the main process alone runs: a tracker that fails mid-run (its
-    server gone, its database damaged) is dropped with a one-line warning, not the run with a traceback;
-    training goes on, and metrics.jsonl keeps every epoch's record."""
-    try:
-        yield
-    except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
-        print(f"warning: --report_to {report_to or 'tensorboard'} failed to log ({first_line(failure)}): training goes on "
-              "without its trackers, and metrics.jsonl keeps every epoch's record.", file=sys.stderr, flush=True)
-        accelerator.trackers.clear()  # else each later epoch, and end_training, would fail on it again
+def _left_out_if_failing(tracker):
+    """A tracker whose log or finish fails mid-run (its store damaged, its server gone) says so in one
+    warning and does nothing from then on: the run trains on, the other trackers too, and metrics.jsonl
+    keeps every epoch's record. (accelerator.log and end_training call each tracker's own methods.)"""
+    failed = []
+
+    def guard(method):
+        def guarded(*args, **kwargs):
+            if failed:
+                return None
+            try:
+                return method(*args, **kwargs)
+            except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
+                failed.append(failure)
+                print(f"warning: the {tracker.name} tracker failed ({first_line(failure)}): the run goes on without it, "
+                      "and metrics.jsonl keeps every epoch's record.", file=sys.stderr, flush=True)
+        return guarded
+    tracker.log, tracker.finish = guard(tracker.log), guard(tracker.finish)
 
 
 def hyperparameters(flags):
@@ -79,5 +90,5 @@ def hyperparameters(flags):
 
 
 def scalars(record):
-    """The numbers of a metrics record, for accelerator.log (trackers take no lists)."""
-    return {key: value for key, value in record.items() if isinstance(value, (int, float))}
+    """The numbers of a metrics record, for accelerator.log (trackers take no lists, and a flag is no metric)."""
+    return {key: value for key, value in record.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
