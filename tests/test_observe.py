@@ -95,6 +95,14 @@ def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():
     assert 0 < row["device busy"] < row["step"] / 2, row
     assert row["all-reduce wait"] == row["all-reduce under backward"] == 0, row
 
+    # Where a second stream ran in a step (NCCL's, at 2 GPUs), Kineto marks the step on that stream too,
+    # here a mark over the step's last microsecond: the step on the device still spans both marks. Before,
+    # the last mark read replaced the first, and the device looked busy for almost none of the step.
+    marks = [event for event in trace["traceEvents"] if event.get("cat") == "gpu_user_annotation" and event["name"].startswith("ProfilerStep")]
+    for mark in marks:
+        trace["traceEvents"].append({**mark, "tid": mark["tid"] + 1, "ts": mark["ts"] + mark["dur"] - 1, "dur": 1})
+    assert step_time(trace) == row
+
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
     """Under cpu.yaml at 4 processes: a trace and a row of the table for each process, and the weights

@@ -63,7 +63,12 @@ def step_time(trace):
     main = steps[0]["tid"] if steps else None
     host = [event for event in events if event.get("cat") not in ("kernel", "gpu_user_annotation", "gpu_memcpy", "gpu_memset")]
     kernels = [event for event in events if event.get("cat") == "kernel"]
-    on_device = {event["name"]: event for event in events if event.get("cat") == "gpu_user_annotation"}
+    # Kineto marks each step on the device once per stream that ran in it (compute, NCCL's): the step there
+    # spans all of them, from the first mark's start to the last one's end.
+    on_device = {}
+    for event in (event for event in events if event.get("cat") == "gpu_user_annotation"):
+        first, last = on_device.get(event["name"], (event["ts"], event["ts"] + event["dur"]))
+        on_device[event["name"]] = (min(first, event["ts"]), max(last, event["ts"] + event["dur"]))
     totals = {}
     for step in steps:
         start, end = step["ts"], step["ts"] + step["dur"]
@@ -77,8 +82,8 @@ def step_time(trace):
         phases = {"forward": total("DistributedDataParallel.forward") or total("forward"), "backward": backward[1] - backward[0],
                   "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
         if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
-            device_step = on_device.get(step["name"], step)
-            ran = [event for event in kernels if device_step["ts"] <= event["ts"] < device_step["ts"] + device_step["dur"]]
+            device_start, device_end = on_device.get(step["name"], (start, end))
+            ran = [event for event in kernels if device_start <= event["ts"] < device_end]
             nccl = [event for event in ran if "nccl" in event["name"].lower()]
             compute = merged((event["ts"], event["ts"] + event["dur"]) for event in ran if event not in nccl)
             hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], compute) for event in nccl)
