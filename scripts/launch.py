@@ -149,8 +149,10 @@ def one_process_launcher(args):
     """accelerate's simple_launcher, which runs one process without torchrun (1gpu.yaml, --num_processes
     1), but handling signals as torchrun does: the process runs in a session of its own, and SIGTERM
     (Kubernetes, scancel), SIGUSR1 (SLURM's --signal) and SIGINT (Ctrl-C) to this launcher are passed
-    on to it, which saves (with checkpointing) and stops. accelerate's own handles none: SIGTERM ended
-    the launcher at once, leaving the process orphaned, to train on or be killed before it could save."""
+    on to it, which saves (with checkpointing) and stops; SIGHUP (a lost terminal or SSH session) and
+    SIGQUIT too, which end it as they would have without a session of its own, and as torchrun passes them
+    on. accelerate's own handles none: SIGTERM ended the launcher at once, leaving the process orphaned,
+    to train on or be killed before it could save."""
     command, env = prepare_simple_launcher_cmd_env(args)
     process = subprocess.Popen(command, env=env, start_new_session=True)
     passed_on = []
@@ -159,7 +161,7 @@ def one_process_launcher(args):
         passed_on.append(signum)
         process.send_signal(signum)  # nothing, once the process has ended
 
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # torchrun's, below
         signal.signal(stop_signal, pass_on)
     process.wait()
     # Stopped by the signal, or after the save it asked for: the launcher exits as under torchrun.

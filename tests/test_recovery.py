@@ -145,16 +145,19 @@ def assert_no_process_left(tmp_path):
     assert not left, f"still running after the launcher exited: {left}"
 
 
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, small_data, tmp_path):
+@pytest.mark.parametrize("num_processes, stop_signal", [(1, signal.SIGTERM), (2, signal.SIGTERM), (1, signal.SIGHUP)],
+                         ids=["1-SIGTERM", "2-SIGTERM", "1-SIGHUP"])
+def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, stop_signal, small_data, tmp_path):
     """SIGTERM to the launcher, torchrun's (2 processes) or the one-process one: every process stops,
-    nothing is saved, and the launcher exits 143."""
+    nothing is saved, and the launcher exits 143. SIGHUP, as a lost SSH session sends it: the one-process
+    launcher passes it on too (before, it died alone and its process trained on, orphaned) and exits 129."""
     args = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200"]
     job = start(launch_one_process(*args) if num_processes == 1 else launch(*args), tmp_path)
     wait_until(epochs_done(tmp_path / "run"), job, "its first epoch")
-    os.kill(job.pid, signal.SIGTERM)
+    os.kill(job.pid, stop_signal)
     _, stderr = finish(job, GRACE_S)
-    assert job.returncode == 143 and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
+    expected = 143 if stop_signal == signal.SIGTERM else 128 + stop_signal
+    assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
     assert_world_size(tmp_path / "run", num_processes)
     assert_no_process_left(tmp_path)
 
