@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, python_command, run, script_env
+from conftest import CONFIGS, SCRIPTS, free_port, python_command, run, script_env
 from synthetic_digits import write_small_mnist
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
@@ -81,6 +81,16 @@ MISTAKES = {
                                      "broken.yaml could not be read"),
     "GPU profile without GPUs": (lambda p: launch("--config_file", CONFIGS / "4gpu.yaml", SCRIPTS / "cpu_gloo.py"),
                                  "asks for GPUs (DistributedType.MULTI_GPU, 4 processes) but PyTorch sees no GPU"),
+    "the two-machine profile's placeholder address left in": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "1",
+                         "--main_process_ip", "MAIN_NODE_ADDRESS", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+        "--main_process_ip MAIN_NODE_ADDRESS is no address this machine can resolve"),
+    # Machine 1 of two, whose machine 0 never starts: torchrun's rendezvous gives up (after 3 s here, not its default 600).
+    "machine 0 that never starts": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "1",
+                         "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), "--rdzv_conf", "timeout=3",
+                         SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+        "The launch could not meet the other machines at 127.0.0.1:"),
     "training script that does not exist": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", p / "train.py"),
                                             "train.py does not exist"),
     "value of the wrong type": (lambda p: cpu_gloo(p, "--batch_size", "abc"), "argument --batch_size: must be a whole number, got 'abc'"),
