@@ -476,6 +476,10 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
     assert len(colors) > 50, "more than a blank canvas"
     missing = run([sys.executable, TOOLS / "plot_metrics.py", tmp_path / "nothing", "-o", png], cwd=tmp_path, check=False)
     assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+    # A run killed while it wrote its last record (or one still writing): its whole epochs are drawn, as the scripts read them.
+    with open(one / "metrics.jsonl", "a") as records:
+        records.write('{"epoch": 3, "train_lo')
+    run([sys.executable, TOOLS / "plot_metrics.py", one, "-o", png], cwd=tmp_path)
 
 
 # -- data from the Hub ------------------------------------------------------------------------------

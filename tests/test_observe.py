@@ -151,6 +151,14 @@ def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.startswith(f"error: {tmp_path / 'profile' / 'trace_rank0.json'} could not be read as a trace ("), result.stderr
         assert result.stderr.strip().endswith("): profile the run again, or pass another profile folder.")
+    # JSON, but not a trace; a trace without a recorded step (a run shorter than the profiler's window).
+    for content, sentence in (("[]", "could not be read as a trace (it holds no traceEvents list)"),
+                              ('{"traceEvents": []}', "recorded step: pass the profile folder of a run trained with --profile long enough")):
+        (tmp_path / "profile" / "trace_rank0.json").write_text(content)
+        for tool in ("step_time.py", "plot_trace.py"):
+            result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+            assert result.stderr.count("error: ") == 1 and sentence in result.stderr, result.stderr
 
 
 def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_dir, tmp_path):

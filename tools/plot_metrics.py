@@ -6,7 +6,6 @@ One line per run, labelled with its folder name and world size.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -16,14 +15,20 @@ matplotlib.use("Agg")  # draws to a file; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from shared.errors import UserError  # noqa: E402
+from shared.metrics import read_records  # noqa: E402
+
 PANELS = (("train_loss", "train loss"), ("eval_loss", "eval loss"), ("eval_accuracy", "eval accuracy"))
 
 
 def read_run(run_dir):
+    """The run's records, as the scripts read them: a last line that a killed run cut short is left out."""
     path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        sys.exit(f"error: {path} does not exist: pass run folders that hold a metrics.jsonl.")
     try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as error:
+        records = read_records(Path(run_dir))
+    except (OSError, UserError) as error:
         sys.exit(f"error: {path} could not be read ({error}): pass run folders that hold a metrics.jsonl.")
     if not records:
         sys.exit(f"error: {path} has no epochs yet: pass a run that finished at least one epoch.")

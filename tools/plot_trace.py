@@ -20,7 +20,11 @@ COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:gr
 def last_step(trace):
     """(start, duration) of the trace's last ProfilerStep and the spans to draw in it, in ms from its start."""
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
-    step = max(host_steps(events), key=lambda event: event["ts"])
+    steps = host_steps(events)
+    if not steps:
+        sys.exit("error: a trace holds no recorded step: pass the profile folder of a run trained with --profile long enough to "
+                 "record its steps.")
+    step = max(steps, key=lambda event: event["ts"])
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [event for event in events if start <= event["ts"] < end]
 

@@ -116,9 +116,13 @@ def table(rows, folder):
 def read_trace(path):
     """A Chrome trace that --profile wrote, or a one-sentence exit naming the file that is no trace."""
     try:
-        return json.loads(path.read_text())
+        trace = json.loads(path.read_text())
     except (OSError, ValueError) as error:  # cut short by a killed run, or not JSON
         sys.exit(f"error: {path} could not be read as a trace ({error}): profile the run again, or pass another profile folder.")
+    if not (isinstance(trace, dict) and isinstance(trace.get("traceEvents"), list)):  # JSON, but not the trace --profile writes
+        sys.exit(f"error: {path} could not be read as a trace (it holds no traceEvents list): profile the run again, "
+                 "or pass another profile folder.")
+    return trace
 
 
 def main():
@@ -127,8 +131,9 @@ def main():
     folder = parser.parse_args().folder
     traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
     rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(read_trace(path))} for path in traces]
-    if not rows or not rows[0]["steps"]:
-        sys.exit(f"error: {folder} holds no trace with a recorded step: pass the profile folder of a run trained with --profile.")
+    if not rows or not all(row["steps"] for row in rows):
+        sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded step: pass the profile folder of a run "
+                 "trained with --profile long enough to record its steps.")
     (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
     print(table(rows, folder))
 
