@@ -13,7 +13,7 @@ printed its one-sentence error, so torchrun's report and traceback and the proce
 are left out; a process killed from outside gets one line saying which rank stopped, and with
 --max_restarts each restart gets one line. SIGTERM and SIGUSR1 (a cluster's warning) reach the
 training processes, which save and stop, also where accelerate runs one process without torchrun.
-Exits 1 on failure, 143 after a stop that saved.
+Exits 1 on failure, 143 after a signal to stop (SIGTERM or SIGUSR1: with checkpointing, once every process saved).
 """
 
 import copy

@@ -5,7 +5,9 @@ DDP's all-reduce of the gradient buckets runs beside it.
 
 For each trace_rank<N>.json in the folders, the last recorded step: one row for the main thread's
 phases (forward, backward, all-reduce wait, optimizer) and one row for the all-reduces the
-communication thread ran (gloo's or NCCL's), on the same time axis from the step's start.
+communication thread ran, on the same time axis from the step's start. On a CPU these are gloo's
+all-reduces themselves; on a GPU they are the host's calls that queue NCCL's, whose kernels run later on
+the device (tools/step_time.py counts those, in its device columns).
 """
 
 import argparse
