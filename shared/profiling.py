@@ -37,6 +37,10 @@ def window(accelerator, output_dir, model):
         with stop_together.if_write_fails(trace, "free space or fix the folder, or train without --profile."):
             folder.mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(trace))
+            if accelerator.is_main_process:  # those an earlier launch at more processes left are not this run's
+                ours = {f"trace_rank{rank}.json" for rank in range(accelerator.num_processes)}
+                for stale in (path for path in folder.glob("trace_rank*.json") if path.name not in ours):
+                    stale.unlink(missing_ok=True)
         accelerator.print(f"--profile wrote a trace per process to {folder}: `python tools/step_time.py {folder}` "
                           "shows where a step's time went.")
 
