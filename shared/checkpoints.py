@@ -221,11 +221,8 @@ def damage(folder):
 
 
 def sha256(path):
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 @contextlib.contextmanager
