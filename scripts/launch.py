@@ -27,10 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# torch's C++ log, whose level is read as torch loads. The launcher's says nothing its one sentence does not
-# (a rendezvous that cannot connect logs a C++ stack for each try); the training processes, started later,
-# keep their errors but not their warnings (gloo's connection notices, DDP's note on unused parameters).
-# A level you set wins in both.
+# torch's C++ log, whose level is read as torch loads: the launcher's says nothing its one sentence does not
+# (a rendezvous that cannot connect logs a C++ stack for each try). A level you set wins; main() sets the
+# training processes'.
 CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = CPP_LOG_LEVEL or "FATAL"
 
@@ -47,7 +46,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from shared.devices import require_gpus
 from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, first_line, print_traceback_if_asked
 
-os.environ["TORCH_CPP_LOG_LEVEL"] = CPP_LOG_LEVEL or "ERROR"  # for the training processes
+if CPP_LOG_LEVEL is None:  # the environment as it was (a test imports this module)
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -230,10 +230,12 @@ def main():
     address = setting("main_process_ip")
     if (setting("num_machines") or 1) > 1 and address:  # found now, not after torchrun's retries to connect run out
         try:
-            socket.getaddrinfo(address, None)
-        except socket.gaierror as error:
-            fail(f"--main_process_ip {address} is no address this machine can resolve ({error.strerror}): pass the address of "
-                 "machine 0 that every machine reaches (the profile's MAIN_NODE_ADDRESS is a placeholder for it).")
+            socket.getaddrinfo(address.strip("[]"), None)  # an IPv6 address may come in brackets
+        except (socket.gaierror, UnicodeError) as error:  # UnicodeError: no host name at all (an empty or overlong label)
+            if getattr(error, "errno", None) != socket.EAI_AGAIN:  # a resolver busy for now: torchrun tries again
+                why = getattr(error, "strerror", None) or first_line(error)
+                fail(f"--main_process_ip {address} is no address this machine can resolve ({why}): pass the address of machine 0 "
+                     "that every machine reaches (the profile's MAIN_NODE_ADDRESS is a placeholder for it).")
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if args.max_restarts:
@@ -248,6 +250,9 @@ def main():
     torchrun_log = TorchrunLog()
     elastic.addHandler(torchrun_log)
     agent_api.logger.setLevel(logging.INFO)  # its restart notice is an INFO record
+    # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
+    # parameters) too; errors still show. A value you set wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # SLURM's early warning (`--signal=USR1@120`) reaches every process of the job step, this launcher too:
     # torchrun (its --signals_to_handle) then shuts the run down, passing SIGUSR1 on, instead of dying of it
     # (SIGUSR1's default) or, with --max_restarts, restarting the processes that stopped after saving.
@@ -266,9 +271,10 @@ def main():
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
     except (DistError, RendezvousError) as error:  # torchrun's rendezvous, where the machines meet
-        fail(f"The launch could not meet the other machines at {address}:{setting('main_process_port')} ({first_line(error)}): "
-             "start machine 0 with the same profile, pass --main_process_ip its address that every machine reaches, and a "
-             "--main_process_port that is free there.")
+        at = f" at {address}:{setting('main_process_port')}" if address else ""
+        fail(f"The launch could not reach the rendezvous of the machines{at} ({first_line(error)}): machine 0 is not running, "
+             "has stopped (its own output says why) or cannot be reached from here: start it with the same profile, and pass "
+             "--main_process_ip its address that every machine reaches and a --main_process_port that is free there.")
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:

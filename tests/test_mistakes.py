@@ -90,7 +90,7 @@ MISTAKES = {
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "1",
                          "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), "--rdzv_conf", "timeout=3",
                          SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
-        "The launch could not meet the other machines at 127.0.0.1:"),
+        "The launch could not reach the rendezvous of the machines at 127.0.0.1:"),
     "training script that does not exist": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", p / "train.py"),
                                             "train.py does not exist"),
     "value of the wrong type": (lambda p: cpu_gloo(p, "--batch_size", "abc"), "argument --batch_size: must be a whole number, got 'abc'"),

@@ -28,7 +28,7 @@ def read_run(run_dir):
         sys.exit(f"error: {path} does not exist: pass run folders that hold a metrics.jsonl.")
     try:
         records = read_records(Path(run_dir))
-    except (OSError, UserError) as error:
+    except (OSError, ValueError, UserError) as error:  # ValueError: not UTF-8
         sys.exit(f"error: {path} could not be read ({error}): pass run folders that hold a metrics.jsonl.")
     if not records:
         sys.exit(f"error: {path} has no epochs yet: pass a run that finished at least one epoch.")
