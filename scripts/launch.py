@@ -25,6 +25,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 # torch's C++ log, whose level is read as torch loads: the launcher's says nothing its one sentence does not
@@ -183,6 +185,44 @@ def one_process_launcher(args):
         raise subprocess.CalledProcessError(process.returncode, command)
 
 
+def stop_at_once_while_no_process_trains():
+    """SIGTERM, SIGUSR1 or Ctrl-C while no training process runs (torchrun waiting at the rendezvous for
+    the other machines, at the start or between restarts) ends the launch within a second, with 143 (Ctrl-C:
+    130), which the SLURM script requeues. Without this, SIGUSR1 ended the launch with 138 and the others
+    waited out the rendezvous timeout: its connect blocks in C++, where no Python handler runs. A thread
+    woken by the signal (Python's C-level handler writes its number to the wakeup fd even then) ends the
+    launch where it has no child process; once the processes run, torchrun's handlers pass the signal on."""
+    def stop(signum, frame):  # where the main thread runs Python, as torchrun's handler does: main() exits 143
+        raise SignalException(f"the launcher got signal {signum}", signal.Signals(signum))
+
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, stop)
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=end_if_no_process_trains, args=(reader, writer), daemon=True).start()
+
+
+def end_if_no_process_trains(reader, writer):  # writer: kept open as long as the thread lives
+    while True:
+        signum = reader.recv(1)[0]
+        if signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) and not has_child_process():
+            time.sleep(1)  # where the main thread runs Python, it ends the launch meanwhile
+            if not has_child_process():
+                print(f"Stopped by {signal.Signals(signum).name} while no training process ran (the launch waited for the "
+                      "other machines): nothing trained since the newest checkpoint; resume with --resume_from_checkpoint latest.",
+                      file=sys.stderr, flush=True)
+                os._exit(130 if signum == signal.SIGINT else STOPPED_EXIT_CODE)
+
+
+def has_child_process():
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # WNOWAIT: reaps none, torchrun does
+        return True
+    except ChildProcessError:
+        return False
+
+
 def use_a_fresh_rendezvous_for_every_restart(args, setting):
     """The profiles' static rendezvous and torchrun's shared c10d store both keep one store for the
     whole job, where a restarted process reads the gloo address of a process that died and fails to
@@ -261,6 +301,7 @@ def main():
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
     args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
+    stop_at_once_while_no_process_trains()
     try:
         launch_command(args)
     except ChildFailedError as error:

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -160,6 +161,27 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
     assert_world_size(tmp_path / "run", num_processes)
     assert_no_process_left(tmp_path)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "Ctrl-C"])
+def test_a_signal_at_the_rendezvous_ends_the_launch_at_once(stop_signal, tmp_path):
+    """Machine 1 of two, waiting at the rendezvous on a machine 0 that accepts its connection and never
+    answers (torchrun's connect then blocks in C++): SLURM's SIGUSR1 ends the launch within seconds with
+    143, which the SLURM script requeues, and Ctrl-C with 130, each with one line. Before, SIGUSR1 killed
+    the launcher (138) and Ctrl-C went unanswered until the rendezvous timed out."""
+    with socket.create_server(("127.0.0.1", 0)) as silent_machine_0:
+        silent_machine_0.settimeout(120)
+        port = silent_machine_0.getsockname()[1]
+        job = start([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
+                     "--num_machines", 2, "--machine_rank", 1, "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                     "--rdzv_conf", "timeout=120", SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run"], tmp_path)
+        connection, _ = silent_machine_0.accept()  # the launcher waits at the rendezvous now
+        with connection:
+            job.send_signal(stop_signal)
+            _, stderr = finish(job, 15)
+    assert job.returncode == (143 if stop_signal == signal.SIGUSR1 else 130), stderr[-2000:]
+    assert f"Stopped by {signal.Signals(stop_signal).name} while no training process ran" in stderr.splitlines()[-1]
+    assert "Traceback" not in stderr and not (tmp_path / "run").exists()
 
 
 # -- elastic restarts ---------------------------------------------------------------------------------
