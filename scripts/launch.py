@@ -12,8 +12,10 @@ Then it runs accelerate's own launcher in this process. A training process that 
 printed its one-sentence error, so torchrun's report and traceback and the processes' C++ warnings
 are left out; a process killed from outside gets one line saying which rank stopped, and with
 --max_restarts each restart gets one line. SIGTERM and SIGUSR1 (a cluster's warning) reach the
-training processes, which save and stop, also where accelerate runs one process without torchrun.
-Exits 1 on failure, 143 after a signal to stop (SIGTERM or SIGUSR1: with checkpointing, once every process saved).
+training processes, which save and stop, also where accelerate runs one process without torchrun; one
+that comes while the launch waits for the other machines ends it at once.
+Exits 1 on failure, 143 after a signal to stop (SIGTERM or SIGUSR1: with checkpointing, once every process
+saved), 130 after Ctrl-C.
 """
 
 import copy
@@ -105,6 +107,7 @@ class TorchrunLog(logging.Handler):
         super().__init__()
         self.failed = None
         self.stopped_by_torchrun = set()  # their pids
+        self.waiting = False  # under torchrun, until it starts this machine's processes, and while it restarts them
 
     def emit(self, record):
         try:
@@ -124,6 +127,10 @@ class TorchrunLog(logging.Handler):
                   "it resumes from its newest checkpoint.", file=sys.stderr, flush=True)
             self.failed = None
             self.stopped_by_torchrun.clear()  # a failure torchrun reports is of the newest start only
+        elif "Rendezvous'ing worker group" in message:  # at the start and at each restart, when no process runs
+            self.waiting = True
+        elif "Starting worker group" in message:
+            self.waiting = False
         elif stopping := re.match(r"Sending process (\d+) closing signal", message):
             self.stopped_by_torchrun.add(int(stopping[1]))
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
@@ -185,34 +192,46 @@ def one_process_launcher(args):
         raise subprocess.CalledProcessError(process.returncode, command)
 
 
-def stop_at_once_while_no_process_trains():
-    """SIGTERM, SIGUSR1 or Ctrl-C while no training process runs (torchrun waiting at the rendezvous for
-    the other machines, at the start or between restarts) ends the launch within a second, with 143 (Ctrl-C:
-    130), which the SLURM script requeues. Without this, SIGUSR1 ended the launch with 138 and the others
-    waited out the rendezvous timeout: its connect blocks in C++, where no Python handler runs. A thread
-    woken by the signal (Python's C-level handler writes its number to the wakeup fd even then) ends the
-    launch where it has no child process; once the processes run, torchrun's handlers pass the signal on."""
-    def stop(signum, frame):  # where the main thread runs Python, as torchrun's handler does: main() exits 143
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ENDING = threading.Lock()
+
+
+def stop_at_once_while_waiting(torchrun_log):
+    """SIGTERM, SIGUSR1 or Ctrl-C while torchrun waits for the other machines, before it starts this
+    machine's processes or restarts them, ends the launch within a second with one line and 143 (Ctrl-C:
+    130), which the SLURM script requeues. Without this, SIGUSR1 killed the launcher (138) before torchrun's
+    handlers were installed, and a rendezvous blocked in C++ (a connect to machine 0, a wait on the
+    store), where no Python handler runs, heard no signal until it timed out. A thread woken by the signal
+    (Python's C-level handler writes its number to the wakeup fd even then) ends it where the main thread
+    has not."""
+    def stop(signum, frame):  # where the main thread runs Python, as torchrun's own handler: main() ends the launch
         raise SignalException(f"the launcher got signal {signum}", signal.Signals(signum))
 
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+    for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, stop)
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    threading.Thread(target=end_if_no_process_trains, args=(reader, writer), daemon=True).start()
+    threading.Thread(target=end_if_stuck_waiting, args=(reader, writer, torchrun_log), daemon=True).start()
 
 
-def end_if_no_process_trains(reader, writer):  # writer: kept open as long as the thread lives
+def end_if_stuck_waiting(reader, writer, torchrun_log):  # writer: kept open as long as the thread lives
     while True:
         signum = reader.recv(1)[0]
-        if signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) and not has_child_process():
-            time.sleep(1)  # where the main thread runs Python, it ends the launch meanwhile
-            if not has_child_process():
-                print(f"Stopped by {signal.Signals(signum).name} while no training process ran (the launch waited for the "
-                      "other machines): nothing trained since the newest checkpoint; resume with --resume_from_checkpoint latest.",
-                      file=sys.stderr, flush=True)
-                os._exit(130 if signum == signal.SIGINT else STOPPED_EXIT_CODE)
+        if signum in STOP_SIGNALS and torchrun_log.waiting:
+            time.sleep(1)  # where the main thread runs Python, its handler ends the launch meanwhile
+            if torchrun_log.waiting and not has_child_process():  # none to orphan: none has started
+                end_while_waiting(signum)
+
+
+def end_while_waiting(signum):
+    with ENDING:  # once, from the main thread or the signal's thread, whichever comes first
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"Stopped by {name} while the launch waited for the other machines, with no training process running here: nothing "
+              "trained since the newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGINT if signum == signal.SIGINT else STOPPED_EXIT_CODE)
 
 
 def has_child_process():
@@ -278,8 +297,9 @@ def main():
                      "that every machine reaches (the profile's MAIN_NODE_ADDRESS is a placeholder for it).")
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
+    under_torchrun = runs_under_torchrun(args)
     if args.max_restarts:
-        if not runs_under_torchrun(args):
+        if not under_torchrun:
             fail("--max_restarts needs torchrun, which accelerate does not use for this launch (one process without a "
                  "multi-GPU profile, or --cpu): launch with --config_file accelerate_configs/cpu.yaml and no --cpu (on GPUs: "
                  "4gpu.yaml), adding --num_processes 1 for one process.")
@@ -301,7 +321,9 @@ def main():
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
     args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
-    stop_at_once_while_no_process_trains()
+    if under_torchrun:  # whose rendezvous may wait long for the other machines
+        torchrun_log.waiting = True
+        stop_at_once_while_waiting(torchrun_log)
     try:
         launch_command(args)
     except ChildFailedError as error:
@@ -317,6 +339,8 @@ def main():
              "has stopped (its own output says why) or cannot be reached from here: start it with the same profile, and pass "
              "--main_process_ip its address that every machine reaches and a --main_process_port that is free there.")
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
+        if torchrun_log.waiting:
+            end_while_waiting(error.sigval)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:
         fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")

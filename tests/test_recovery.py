@@ -163,25 +163,37 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     assert_no_process_left(tmp_path)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "Ctrl-C"])
-def test_a_signal_at_the_rendezvous_ends_the_launch_at_once(stop_signal, tmp_path):
-    """Machine 1 of two, waiting at the rendezvous on a machine 0 that accepts its connection and never
-    answers (torchrun's connect then blocks in C++): SLURM's SIGUSR1 ends the launch within seconds with
-    143, which the SLURM script requeues, and Ctrl-C with 130, each with one line. Before, SIGUSR1 killed
-    the launcher (138) and Ctrl-C went unanswered until the rendezvous timed out."""
+@pytest.mark.parametrize("machine_rank, launcher_flags, stop_signal", [
+    (1, [], signal.SIGUSR1), (1, [], signal.SIGINT), (1, ["--max_restarts", "1"], signal.SIGUSR1), (0, ["--max_restarts", "1"], signal.SIGTERM)],
+    ids=["machine 1-SIGUSR1", "machine 1-Ctrl-C", "machine 1 with restarts-SIGUSR1", "machine 0 with restarts-SIGTERM"])
+def test_a_signal_while_the_launch_waits_for_the_other_machines_ends_it_at_once(machine_rank, launcher_flags, stop_signal, tmp_path):
+    """One machine of two waits for the other, with no training process yet: SLURM's SIGUSR1 or SIGTERM
+    ends the launch within seconds with 143, which the SLURM script requeues, Ctrl-C with 130, each in one
+    line. Machine 1 waits on a machine 0 that accepts its connection and never answers, blocked in C++
+    (the static rendezvous's store, or under --max_restarts c10d's connect); machine 0 waits for a
+    machine 1 that never comes, in c10d's loop of Python. Before, SIGUSR1 killed the launcher (138) and
+    Ctrl-C went unanswered until the rendezvous timed out."""
     with socket.create_server(("127.0.0.1", 0)) as silent_machine_0:
         silent_machine_0.settimeout(120)
-        port = silent_machine_0.getsockname()[1]
-        job = start([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
-                     "--num_machines", 2, "--machine_rank", 1, "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                     "--rdzv_conf", "timeout=120", SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run"], tmp_path)
-        connection, _ = silent_machine_0.accept()  # the launcher waits at the rendezvous now
+        port = silent_machine_0.getsockname()[1] if machine_rank == 1 else free_port()
+        job = start([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2, *launcher_flags,
+                     "--num_machines", 2, "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                     "--rdzv_conf", "timeout=120,read_timeout=120", SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run"], tmp_path)
+        if machine_rank == 1:
+            connection, _ = silent_machine_0.accept()  # machine 1 waits at the rendezvous now
+        else:  # machine 0 hosts the store at the port, then joins its rendezvous a moment later
+            wait_until(lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(job.pid).net_connections()),
+                       job, "machine 0's store")
+            time.sleep(3)
+            connection = contextlib.nullcontext()
         with connection:
             job.send_signal(stop_signal)
             _, stderr = finish(job, 15)
-    assert job.returncode == (143 if stop_signal == signal.SIGUSR1 else 130), stderr[-2000:]
-    assert f"Stopped by {signal.Signals(stop_signal).name} while no training process ran" in stderr.splitlines()[-1]
+    assert job.returncode == (130 if stop_signal == signal.SIGINT else 143), stderr[-2000:]
+    name = "Ctrl-C" if stop_signal == signal.SIGINT else stop_signal.name
+    assert f"Stopped by {name} while the launch waited for the other machines" in stderr.splitlines()[-1], stderr[-2000:]
     assert "Traceback" not in stderr and not (tmp_path / "run").exists()
+    assert_no_process_left(tmp_path)
 
 
 # -- elastic restarts ---------------------------------------------------------------------------------
