@@ -53,7 +53,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the docstring's example lines as written, and shows every default."""
+    """--help keeps the docstring's example lines as written, and shows every default that says something."""
+
+    def _get_help_string(self, action):  # not a switch's True or False, an unset flag's None, or a default the help names
+        if action.nargs == 0 or action.default is None or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def training_parser(description, *, output_dir, hub_name):

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,7 +176,11 @@ def test_a_mistake_ends_in_one_sentence(tmp_path):
 def test_help_keeps_the_example_commands_on_their_own_lines():
     result = run(python_command("mnist_conv.py", "--help"), cwd=SCRIPTS)
     assert "\nRun on one process:           python scripts/mnist_conv.py\n" in result.stdout
-    assert "(default: 64)" in " ".join(result.stdout.split()), "every default is shown"
+    help_text = " ".join(result.stdout.split())
+    assert "(default: 64)" in help_text, "every default is shown"
+    # Not a switch's True or False (--no_split_batches' True reads as its own default), nor an unset flag's None.
+    assert "--report_to {tensorboard,mlflow,all} tracker for --with_tracking, stored under --output_dir (default: tensorboard) --data_dir" in help_text
+    assert not re.search(r"\(default: (None|True|False)\)", help_text), help_text
 
 
 def test_accelerate_launch_of_several_processes_that_runs_one_says_so(data_dir, tmp_path):
