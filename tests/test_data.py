@@ -1,15 +1,24 @@
-"""The real torchvision loading code on files laid out as torchvision expects, its failures, and the
-order in which processes download."""
+"""The real torchvision loading code on files laid out as torchvision expects, its failures, the
+order in which processes download, and the in-memory loader's order."""
 
+import contextlib
 import json
 import shutil
+import socket
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.data_loader import SeedableRandomSampler
+from torch.utils.data import TensorDataset
 
 from conftest import CONFIGS, SCRIPTS, TOOLS, python_command, read_metrics, run, script_env
+from shared import mnist_data
+from shared.errors import UserError
+from shared.in_memory_loader import InMemoryLoader
 from synthetic_digits import write_hub_dataset, write_small_mnist
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -54,6 +63,22 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
     result = run(python_command("mnist_conv.py", "--data_dir", tmp_path / "data", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"The MNIST files in {raw} could not be read" in result.stderr
+
+
+def test_a_connection_lost_during_the_download_ends_in_the_download_sentence(tmp_path, monkeypatch):
+    """FashionMNIST's mirror is plain http: through a proxy made here that closes every connection
+    unanswered, as a network lost mid-download does, the load ends in the sentence of a failed download,
+    not a traceback nor the advice to delete files that were never there."""
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        def close_every_connection():
+            with contextlib.suppress(OSError):  # the proxy closed at the test's end
+                while True:
+                    proxy.accept()[0].close()
+
+        threading.Thread(target=close_every_connection, daemon=True).start()
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        with pytest.raises(UserError, match=r"^FashionMNIST is not in .+ and could not be downloaded \(.+\): connect to the internet"):
+            mnist_data.load("FashionMNIST", tmp_path / "data", download=True, source="torchvision", hub_name=None, pipeline="memory")
 
 
 def probe_records(folder):
@@ -129,3 +154,13 @@ def test_the_data_tools_never_replace_a_data_set_already_there(tmp_path):
         "pass another --data_dir, or delete them first.")
     assert {path: path.read_bytes() for path in (tmp_path / "FashionMNIST" / "raw").iterdir()} == before
     assert not (tmp_path / "MNIST").exists(), "nothing written when any data set is refused"
+
+
+def test_the_in_memory_loader_reshuffles_after_each_pass_as_accelerates_sampler_does():
+    """A copied loop that never calls set_epoch: each pass still takes the next epoch's order, the one
+    accelerate's seedable sampler (use_seedable_sampler, data_seed) gives its prepared DataLoader."""
+    data = TensorDataset(torch.zeros(10, 1), torch.arange(10))
+    loader = InMemoryLoader(data, 4, SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu")), seed=7)
+    sampler = SeedableRandomSampler(data, data_seed=7)
+    orders = [torch.cat([labels for _, labels in loader]).tolist() for _ in range(3)]
+    assert orders == [list(sampler) for _ in range(3)] and orders[0] != orders[1]

