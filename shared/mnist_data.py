@@ -4,6 +4,7 @@ process downloads and the others read its files. torchvision is imported only wh
 0.5 s of CPU per process): --help and an in-memory run whose files are there never load it."""
 
 import math
+import os
 from http.client import HTTPException
 from pathlib import Path
 
@@ -38,13 +39,15 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
     raw_folder = Path(data_dir) / name / "raw"
     if source == "hub":
         splits = _from_hub(hub_name, data_dir, transform, download)
-    elif pipeline == "memory" and all((raw_folder / file).is_file() for file in RAW_FILES):
+    elif pipeline == "memory" and all(os.path.isfile(raw_folder / file) for file in RAW_FILES):  # as torchvision looks (no OSError)
         splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
         splits = [_download(name, data_dir, raw_folder, train, transform, download) for train in (True, False)]
     for split in splits:  # image and label files of different copies would pair wrongly, or fail in the middle of an epoch
         if split.data.dim() != 3 or split.targets.dim() != 1 or len(split.data) != len(split.targets):
-            raise _unreadable(name, raw_folder, f"{tuple(split.data.shape)} images but {tuple(split.targets.shape)} labels")
+            shapes = f"{tuple(split.data.shape)} images but {tuple(split.targets.shape)} labels"
+            raise (UserError(f"{hub_name} has {shapes}: pass a --dataset_name of 28x28 grayscale images with a label each.")
+                   if source == "hub" else _unreadable(name, raw_folder, shapes))
     return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 
@@ -123,11 +126,12 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     _make(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 
-    fetching = download and not all((raw_folder / file).is_file() for file in RAW_FILES)
+    fetching = download and not all(os.path.isfile(raw_folder / file) for file in RAW_FILES)
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
-    except (RuntimeError, OSError, HTTPException) as error:  # OSError, HTTPException: a connection lost in a download, or a bad file
-        if not ("download" in str(error).lower() if isinstance(error, RuntimeError) else fetching):
+    except (RuntimeError, OSError, HTTPException) as error:  # OSError: also a bad file, a full disk
+        lost_connection = fetching and isinstance(error, (ConnectionError, TimeoutError, HTTPException))  # in the middle of a download
+        if not ("download" in str(error).lower() if isinstance(error, RuntimeError) else lost_connection):
             raise _unreadable(name, raw_folder, error) from None
         name_flag = "" if name == "MNIST" else f" --name {name}"
         why = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # torchvision's first line names the file, its last says why

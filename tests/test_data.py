@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import SeedableRandomSampler
@@ -77,8 +78,24 @@ def test_a_connection_lost_during_the_download_ends_in_the_download_sentence(tmp
 
         threading.Thread(target=close_every_connection, daemon=True).start()
         monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
-        with pytest.raises(UserError, match=r"^FashionMNIST is not in .+ and could not be downloaded \(.+\): connect to the internet"):
+        for bypass in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(bypass, raising=False)
+        with pytest.raises(UserError, match=r"^FashionMNIST is not in .+ and could not be downloaded \((Remote end closed connection "
+                           r"without response|\[Errno 104\] Connection reset by peer)\): connect to the internet"):
             mnist_data.load("FashionMNIST", tmp_path / "data", download=True, source="torchvision", hub_name=None, pipeline="memory")
+
+
+def test_a_hub_data_set_of_colour_images_ends_in_one_sentence(tmp_path):
+    """--dataset_name a data set whose images are not grayscale: one sentence that says what to pass,
+    not a shape error in the model's first step."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    for split in ("train", "test"):
+        rows = datasets.Dataset.from_dict({"image": [np.zeros((28, 28, 3), np.uint8)] * 4, "label": [0, 1, 2, 3]}, features=features)
+        rows.to_parquet(f"{tmp_path}/colour/data/{split}-00000-of-00001.parquet")
+    with pytest.raises(UserError, match=r"colour has \(4, 28, 28, 3\) images but \(4,\) labels: pass a --dataset_name of 28x28 grayscale"):
+        mnist_data.load("MNIST", tmp_path / "data", download=False, source="hub", hub_name=str(tmp_path / "colour"), pipeline="memory")
 
 
 def probe_records(folder):
