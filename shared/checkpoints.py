@@ -124,7 +124,7 @@ class Checkpoints:
         position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                             tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
         if self.writes and path.parent.resolve() == self.folder.resolve():
-            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint.name > path.name]:
+            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if int(checkpoint.name[5:]) > state["global_step"]]:
                 aside = later.with_name(f"abandoned_{later.name}")
                 aside = aside.with_name(f"{aside.name}_{time.time_ns()}") if aside.exists() else aside  # from an earlier branch
                 later.rename(aside)
@@ -201,7 +201,7 @@ def first_intact(accelerator, output_dir, spec):
             raise UserError(f"Checkpoint {path} is damaged ({reason}): resume from an earlier checkpoint, "
                             "or from 'latest', which skips damaged ones.", every_process=True)
         accelerator.print(f"Skipping damaged checkpoint {path} ({reason}); trying the one before it.")
-        if damaged_here and not path.with_name(f"damaged_{path.name}").exists():
+        if damaged_here and path.exists() and not path.with_name(f"damaged_{path.name}").exists():  # else no copy on this disk
             path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
     return None
 
@@ -261,6 +261,8 @@ def named_checkpoint(path):
             "or 'latest', or evaluate a model file with --eval_only.")
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
+    if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
+        raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
     try:
         json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as error:

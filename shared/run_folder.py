@@ -12,7 +12,7 @@ from pathlib import Path
 from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 
 from shared import stop_together
-from shared.errors import UserError, make_folders, remove_if_run_fails
+from shared.errors import UserError, first_line, make_folders, remove_if_run_fails
 
 METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
@@ -27,7 +27,7 @@ LOCK_FILE = ".lock"  # locked by the live run's main process; the kernel lets go
 
 def checkpoints_in(folder):
     """The complete checkpoints in a checkpoints folder, oldest first (a .tmp_ one being written is not)."""
-    found = [path for path in Path(folder).glob("step_*") if (path / STATE_FILE).is_file()]
+    found = [path for path in Path(folder).glob("step_*") if path.name[5:].isdigit() and (path / STATE_FILE).is_file()]  # not a step_N.bak copy
     return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
 
 
@@ -44,8 +44,8 @@ def resumes_here(spec, output_dir):
     new run there instead, which may not write over the one it holds."""
     if spec is None:
         return False
-    path = Path(spec)
-    return spec == "latest" or not path.is_dir() or path.resolve().parent == (Path(output_dir) / CHECKPOINT_FOLDER).resolve()
+    path, output_dir = Path(spec).resolve(), Path(output_dir).resolve()  # the run folder itself too, never replaced by its own resume
+    return spec == "latest" or not path.is_dir() or path == output_dir or path.is_relative_to(output_dir / CHECKPOINT_FOLDER)
 
 
 def writes_here(accelerator):
@@ -84,9 +84,15 @@ def _take(output_dir, replace, resuming):
     """Lock output_dir for this run and check what it holds; returns what the lock file now says."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
-    make_folders(output_dir)
-    _hold(output_dir / LOCK_FILE)
+    try:
+        make_folders(output_dir)
+        _hold(output_dir / LOCK_FILE)
+    except OSError as error:
+        raise UserError(f"--output_dir {output_dir} could not be made or locked ({first_line(error)}): choose another "
+                        "--output_dir, one you can write to.") from None
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
+    if any((output_dir / CHECKPOINT_FOLDER).glob("*")):  # a run stopped before its first epoch's record holds only these
+        earlier.append(CHECKPOINT_FOLDER)
     if earlier and not resuming and not replace:
         raise UserError(
             f"--output_dir {output_dir} already holds a run ({', '.join(earlier)}): "
@@ -118,6 +124,7 @@ def _hold(path):
     lock.truncate(0)
     lock.write(f"host {socket.gethostname()}, process {os.getpid()}")
     lock.flush()
+    os.fsync(lock.fileno())  # NFS shows other machines a file's data only after fsync or close: prepare() reads it there
     remove_if_run_fails(path)  # before the folder it may have made
     atexit.register(_let_go, path, lock)
 

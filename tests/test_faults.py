@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -23,6 +24,7 @@ from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
+from shared import checkpoints
 from shared.errors import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
@@ -202,6 +204,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     assert named.returncode == 1 and "Traceback" not in named.stderr
     assert f"error: Checkpoint {newest} is damaged ({damaged} differs from what was saved): resume from an earlier checkpoint" in named.stderr
 
+    shutil.copytree(before, before.with_name(f"{before.name}.bak"))  # a user's copy, which is no checkpoint of the run
     result = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
                  cwd=tmp_path)
     assert f"Skipping damaged checkpoint {newest} ({damaged} differs from what was saved); trying the one before it." in result.stdout
@@ -209,6 +212,19 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
     assert checkpoint_damage(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not checkpoint_damage(newest)
     assert_ends_like(reference, run_dir)
+
+
+def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
+    """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
+    killed there before it completed, a requeue onto an empty disk): there `latest` skips it as damaged,
+    renaming nothing. Before, the rename of the missing copy ended the run in a FileNotFoundError."""
+    (tmp_path / "checkpoints").mkdir()
+    machine_1 = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print,
+                                project_configuration=SimpleNamespace(save_on_each_node=True))
+    monkeypatch.setattr(checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000008"])  # what machine 0 lists
+    assert checkpoints.first_intact(machine_1, tmp_path, "latest") is None
+    assert f"Skipping damaged checkpoint {tmp_path / 'checkpoints' / 'step_00000008'}" in capsys.readouterr().out
+    assert not any((tmp_path / "checkpoints").iterdir())
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])

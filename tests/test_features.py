@@ -187,6 +187,14 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_dat
     assert_same_weights(weights(whole), weights(branch))
     assert_same_records(read_metrics(whole), read_metrics(branch), rel=1e-6)
 
+    # Back to the abandoned branch's step 16: only the checkpoints after step 16 go aside, by step, not by name.
+    (branch / "model.safetensors").unlink()
+    _, result = train("cpu_gloo.py", tmp_path, "branch", *flags, "--resume_from_checkpoint", branch / "checkpoints" / "abandoned_step_00000016")
+    assert [line for line in result.stdout.splitlines() if line.startswith("Set aside")] == [
+        f"Set aside {branch / 'checkpoints' / 'step_00000024'}, saved after the checkpoint resumed, as "
+        f"{next((branch / 'checkpoints').glob('abandoned_step_00000024_*')).name}."]
+    assert_same_weights(weights(whole), weights(branch))
+
 
 def test_a_resume_that_is_refused_sets_no_checkpoint_aside(small_data, tmp_path):
     """A resume from an earlier checkpoint that stops with a sentence (here at a batch size its position

@@ -39,6 +39,9 @@ def place(tmp_path_factory, fork_servers):
         shutil.copytree(root / "earlier", root / name)
         path = root / name / "checkpoints" / checkpoint / damaged_file
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    shutil.copytree(root / "earlier", root / "checkpoints_only")  # stopped in its first epoch: no record yet, no model
+    for name in ("metrics.jsonl", "model.safetensors"):
+        (root / "checkpoints_only" / name).unlink()
     shutil.copytree(root / "earlier", root / "preempted")  # its model not saved yet
     (root / "preempted" / "model.safetensors").unlink()
     shutil.copytree(root / "preempted", root / "bad_records")  # metrics.jsonl's first record cut, not its last
@@ -62,7 +65,7 @@ def snapshot(root):
     """Every file under the earlier runs, by content."""
     return {
         str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for folder in ("earlier", "no_checkpoints", "toy", "corrupt_weights", "corrupt_state", "preempted", "bad_records", "data")
+        for folder in ("earlier", "no_checkpoints", "checkpoints_only", "toy", "corrupt_weights", "corrupt_state", "preempted", "bad_records", "data")
         for path in sorted((root / folder).rglob("*")) if path.is_file()
     }
 
@@ -194,7 +197,18 @@ MISTAKES = {
         "--max_restarts needs torchrun, which accelerate does not use for this launch (one process without a multi-GPU profile, or --cpu)"),
     "resume into a finished run": (lambda p: cpu_gloo(p, "--num_epochs", "2", "--resume_from_checkpoint", "latest", output="earlier"),
                                    "already finished 2 epochs: pass a larger --num_epochs"),
-    "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors)"),
+    "new run into a folder holding only the checkpoints of a run stopped in its first epoch": (
+        lambda p: cpu_gloo(p, output="checkpoints_only"),
+        "checkpoints_only already holds a run (checkpoints): continue it with --resume_from_checkpoint latest, choose another"),
+    "the run folder itself to resume, with --overwrite_output_dir": (
+        lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "earlier", "--overwrite_output_dir", output="earlier"),
+        "earlier holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir."),
+    "its checkpoints folder to resume, with --overwrite_output_dir": (
+        lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "earlier" / "checkpoints", "--overwrite_output_dir", output="earlier"),
+        "checkpoints holds checkpoints but is not one"),
+    "output_dir inside a file": (lambda p: cpu_gloo(p, output="a_file/run"),
+                                 "a_file/run could not be made or locked ([Errno 20] Not a directory"),
+    "new run into a folder holding one": (lambda p: cpu_gloo(p, output="earlier"), "already holds a run (metrics.jsonl, model.safetensors, checkpoints)"),
     "resume of a run without checkpoints": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", "latest", output="no_checkpoints"),
                                             "holds a run but no checkpoint to resume"),
     "eval_only without weights": (lambda p: cpu_gloo(p, "--eval_only", output="earlier"), "--eval_only needs --resume_from_checkpoint"),
