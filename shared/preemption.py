@@ -26,6 +26,9 @@ import traceback
 from shared.errors import STOPPED_EXIT_CODE, exit_now
 
 
+WAKEUP_SOCKETS = []
+
+
 class Preemption:
     """With `enabled` (checkpointing on), SIGTERM and SIGUSR1 mark this process instead of ending it."""
 
@@ -44,9 +47,12 @@ class Preemption:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
             reader, writer = socket.socketpair()
+            # Open for the process's life, as the wakeup fd is set for it: Python writes each later signal's
+            # number there, which once closed would be the number of the next file opened, a checkpoint's, say.
+            WAKEUP_SOCKETS.append((reader, writer))
             writer.setblocking(False)
             signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-            threading.Thread(target=self._end_if_stuck, args=(reader, writer), daemon=True).start()
+            threading.Thread(target=self._end_if_stuck, args=(reader,), daemon=True).start()
 
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
@@ -54,9 +60,10 @@ class Preemption:
         self.agreed = self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
         return self.agreed
 
-    def _end_if_stuck(self, reader, writer):  # writer: kept open as long as the thread lives
-        while reader.recv(1)[0] not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    def _end_if_stuck(self, reader):
+        while (signum := reader.recv(1)[0]) not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             pass
+        what, exit_code = ("Ctrl-C", 128 + signal.SIGINT) if signum == signal.SIGINT else ("a signal to stop", STOPPED_EXIT_CODE)
         main, where, since = threading.main_thread().ident, None, time.monotonic()
         while not self.agreed:
             frame = sys._current_frames().get(main)
@@ -65,10 +72,10 @@ class Preemption:
             if here != where:  # the main thread moved on
                 where, since = here, time.monotonic()
             elif time.monotonic() - since > limit:
-                print(f"[rank {self.accelerator.process_index}] stopped: {limit} s after a signal to stop, this process "
+                print(f"[rank {self.accelerator.process_index}] stopped: {limit} s after {what}, this process "
                       "was still waiting on another, so it could not save a checkpoint; the newest complete one stays "
                       "'latest'.", file=sys.stderr, flush=True)
-                exit_now(STOPPED_EXIT_CODE)
+                exit_now(exit_code)
             time.sleep(0.5)
 
     def _busy(self, frame):

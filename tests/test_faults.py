@@ -349,8 +349,8 @@ def test_machines_launched_with_different_profiles_stop_before_the_first_step(sm
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
-def signal_the_probe_in_place(tmp_path, *flags):
-    """Launch 2 processes of the stuck_in_collective probe, SIGTERM both once they are in place; the
+def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, ranks=("0", "1")):
+    """Launch 2 processes of the stuck_in_collective probe, signal `ranks` once they are in place; the
     seconds from the signal to the launcher's end, its exit code and its stderr."""
     tmp_path.mkdir(exist_ok=True)
     command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
@@ -364,10 +364,10 @@ def signal_the_probe_in_place(tmp_path, *flags):
     assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
     time.sleep(0.5)  # rank 1 is inside the barrier, or both in their save
     workers = [process for process in psutil.Process(job.pid).children(recursive=True)
-               if "stuck_in_collective" in " ".join(process.cmdline()) and "RANK" in process.environ()]
+               if "stuck_in_collective" in " ".join(process.cmdline()) and process.environ().get("RANK") in ranks]
     signalled = time.monotonic()
     for worker in workers:
-        worker.send_signal(signal.SIGTERM)
+        worker.send_signal(stop_signal)
     _, stderr = job.communicate(timeout=30)
     return time.monotonic() - signalled, job.returncode, stderr
 
@@ -379,6 +379,38 @@ def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
     seconds, returncode, stderr = signal_the_probe_in_place(tmp_path)
     assert seconds < 15 and returncode == 143, stderr
     assert stderr.count("s after a signal to stop, this process was still waiting on another") == 2, stderr
+
+
+def test_ctrl_c_to_a_process_stuck_in_a_collective_ends_it_as_ctrl_c(tmp_path):
+    """Ctrl-C ends a process blocked in a collective after the grace, as SIGTERM does, but in the words
+    and exit code of Ctrl-C, not those of a signal to stop (here to rank 1 alone: a rank 0 stopped at once
+    by it would have torchrun end rank 1 first)."""
+    seconds, _, stderr = signal_the_probe_in_place(tmp_path, stop_signal=signal.SIGINT, ranks=("1",))
+    assert seconds < 15 and stderr.count("[rank 1] stopped: 3 s after Ctrl-C, this process was still waiting on another") == 1, stderr
+    assert "rank 1 exited with code 130" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
+    """Once the processes agree to stop, the watchdog thread ends; a later signal (torchrun passes SIGTERM
+    on while they save) must not land in a file: Python writes its number to the wakeup fd, whose number a
+    closed socket would leave to the next file opened, a checkpoint's."""
+    code = """if True:
+        import os, signal, sys, time, types
+        from shared.preemption import Preemption
+        preemption = Preemption(types.SimpleNamespace(set_trigger=lambda: None, check_trigger=lambda: True), enabled=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.3)
+        assert preemption.stop_agreed(10)
+        time.sleep(1)  # the watchdog thread has ended
+        files = [open(os.path.join(sys.argv[1], name), "wb") for name in ("a", "b")]
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        for file in files:
+            file.write(b"saved")
+            file.close()
+    """
+    result = run([sys.executable, "-c", code, tmp_path], cwd=tmp_path)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"saved" and not result.stderr, result.stderr
 
 
 def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
