@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from shared.errors import UserError, run_main
+from shared.errors import UserError, first_line, make_folders, run_main
 
 X_TRAIN = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
 Y_TRAIN = torch.tensor([0, 0, 0, 1, 1])
@@ -59,8 +59,8 @@ def positive(kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if not 0 < value < math.inf:  # nan and inf too, which would train a model of nan weights
+            raise argparse.ArgumentTypeError(f"must be greater than 0 and finite, got {text}")
         return value
     return parse
 
@@ -103,7 +103,7 @@ def evaluate(model, loader, accelerator, prefix):
 def main(argv=None):
     args = parse_args(argv)
     asked = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # a GPU profile's gpu_ids: never train on the CPU in their place
-    if asked and not asked.startswith("-") and not torch.cuda.is_available():
+    if asked and not asked.startswith("-") and not torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU"):
         raise UserError(f"This launch asks for GPUs {asked} (a GPU profile) but PyTorch sees no GPU on this machine: launch with "
                         "--config_file accelerate_configs/cpu.yaml instead, or install a CUDA build of PyTorch.", every_process=True)
     # On a machine without GPUs, cpu=True puts a launch's processes into one gloo group (else each trains alone).
@@ -116,6 +116,10 @@ def main(argv=None):
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.", every_process=True)
     if (output_dir / "metrics.jsonl").exists() or (output_dir / "model.safetensors").exists():  # never write over earlier results
         raise UserError(f"--output_dir {output_dir} already holds a run: choose another --output_dir.", every_process=True)
+    try:
+        make_folders(output_dir)  # every process, before training; a failed run removes the folders it made
+    except OSError as error:
+        raise UserError(f"--output_dir {output_dir} could not be made ({first_line(error)}): choose another --output_dir.", every_process=True) from None
     # --batch_size rows per step, split across the processes: any world size takes the same steps on the same rows.
     if args.batch_size % accelerator.num_processes:
         raise UserError(f"--batch_size {args.batch_size} does not split evenly across {accelerator.num_processes} processes: "
@@ -155,7 +159,6 @@ def main(argv=None):
         accelerator.print(f"epoch {epoch}/{args.num_epochs}  train_loss {record['train_loss']:.4f}  train accuracy "
                           f"{record['train_eval_accuracy']:.2f}  test accuracy {record['eval_accuracy']:.2f}  world_size {record['world_size']}")
         if accelerator.is_main_process:  # one process writes the record
-            output_dir.mkdir(parents=True, exist_ok=True)
             with open(output_dir / "metrics.jsonl", "a") as file:
                 file.write(json.dumps(record) + "\n")
 

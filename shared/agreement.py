@@ -17,10 +17,11 @@ from accelerate.utils import gather_object
 import shared
 from shared.errors import UserError
 
-# Flags that may differ from machine to machine without changing what is trained: paths, workers,
-# trackers (the main process's alone), checkpoint pruning, and how long to wait for a lost machine.
-PER_MACHINE_FLAGS = {"output_dir", "data_dir", "overwrite_output_dir", "num_workers", "with_tracking", "report_to",
-                     "keep_last_checkpoints", "ddp_timeout"}
+# Flags that may differ from machine to machine without changing what is trained: paths, workers, the
+# tracker (the main process's alone; --with_tracking is compared: every process then checks its start),
+# checkpoint pruning, and how long to wait for a lost machine.
+PER_MACHINE_FLAGS = {"output_dir", "data_dir", "overwrite_output_dir", "num_workers", "report_to", "keep_last_checkpoints",
+                     "ddp_timeout"}
 # What is compared, and what to do about a difference.
 ADVICE = {"flags": "start every process with the same training flags",
           "profile": "launch every machine with the same launch profile settings",
@@ -38,12 +39,16 @@ def check(accelerator, flags):
     if trained.get("resume_from_checkpoint"):
         trained["resume_from_checkpoint"] = Path(trained["resume_from_checkpoint"]).name
     state = accelerator.state
+    # Each changes the collectives a process runs: accelerate's debug mode adds a gather before each, and
+    # ACCELERATE_GRADIENT_ACCUMULATION_STEPS overrides the flag.
     profile = {"distributed type": state.distributed_type.value, "mixed precision": accelerator.mixed_precision,
                "device": accelerator.device.type, "torch.compile backend": state.dynamo_plugin.backend.value,
-               "torch.compile mode": state.dynamo_plugin.mode}
+               "torch.compile mode": state.dynamo_plugin.mode, "debug mode": state.debug,
+               "gradient accumulation": accelerator.gradient_accumulation_steps}
     if getattr(state, "fsdp_plugin", None):
         for setting in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_offload", "mixed_precision_policy",
-                        "auto_wrap_policy", "activation_checkpointing"):
+                        "auto_wrap_policy", "min_num_params", "transformer_cls_names_to_wrap", "cpu_ram_efficient_loading",
+                        "activation_checkpointing"):
             value = getattr(state.fsdp_plugin, setting)
             profile[setting] = getattr(value, "__name__", value)  # a wrap policy is a function
     script = getattr(sys.modules["__main__"], "__file__", None)  # none in a notebook

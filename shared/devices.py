@@ -17,9 +17,11 @@ def cpu_only():
     `accelerate launch` starts every multi-process profile through torchrun; on a machine without
     GPUs those processes join one gloo group only if the Accelerator is built with cpu=True
     (otherwise each trains alone at world size 1)."""
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):  # cpu.yaml or --cpu, whatever GPUs a job's environment names
+        return True
     requested = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     asked = requested and not requested.startswith("-")
-    if asked or (torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")):
+    if asked or torch.cuda.is_available():
         require_gpus(f"This launch asks for GPUs {requested or 'all'}" + (" (a GPU profile)" if asked else ""),
                      per_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),  # torchrun's processes on this machine
                      processes=int(os.environ.get("WORLD_SIZE", "1")))

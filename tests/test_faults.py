@@ -326,6 +326,9 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
         ([script, *args, "--lr", "0.02"], f"--lr is 0.02 in process 1 on {host} but --lr is 0.01 in process 0 on {host}",
          "start every process with the same training flags."),
         ([changed, *args], "cpu_gloo.py has SHA-256 ", "run the same code on every machine."),
+        # --with_tracking decides whether a process checks the trackers' start, a collective: a difference would desync them.
+        ([script, *args, "--with_tracking"], f"--with_tracking is True in process 1 on {host} but --with_tracking is False in process 0",
+         "start every process with the same training flags."),
     ):
         results = two_machines(tmp_path, [[script, *args], machine_1])
         for result in results:  # each machine's terminal says it once

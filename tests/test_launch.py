@@ -9,7 +9,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, launch_command, read_metrics, run
+from conftest import CONFIGS, REPO, SCRIPTS, launch_command, read_metrics, run, script_env
 from test_scripts import load_script_module
 
 PROBE = Path(__file__).resolve().parent / "probes" / "shard_probe.py"
@@ -131,6 +131,14 @@ def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(scrip
     assert result.stderr.count("error: ") == 1, "said once on this machine, not once per process"
 
 
+def test_the_cpu_profile_trains_where_the_environment_names_gpus(tmp_path):
+    """A job's environment may name GPUs (a cluster sets CUDA_VISIBLE_DEVICES for a node's allocation)
+    that a cpu.yaml launch does not use: the first rung trains on the CPU as one group, not refused."""
+    result = run(launch_command("toy_mlp.py", "--output_dir", tmp_path / "run", num_processes=2), cwd=tmp_path,
+                 env=script_env() | {"CUDA_VISIBLE_DEVICES": "0"})
+    assert "error" not in result.stderr and {record["world_size"] for record in read_metrics(tmp_path / "run")} == {2}
+
+
 def test_more_processes_on_a_machine_than_its_gpus_stop_every_process_with_one_sentence(monkeypatch):
     """A stand-in for a one-GPU machine, which this one is not: it assumes that torch reports one device
     and that torchrun tells each of 4gpu.yaml's processes LOCAL_WORLD_SIZE 4; on the real machine three of
@@ -153,8 +161,10 @@ def test_more_processes_on_a_machine_than_its_gpus_stop_every_process_with_one_s
     with pytest.raises(UserError, match=r"asks for GPUs all, one for each of its 4 processes on this machine, but PyTorch sees 1: "
                        r"pass --num_processes 2 \(1 on each of 2 machines\)"):
         devices.cpu_only()
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # cpu.yaml's processes leave the GPUs alone
-    assert devices.cpu_only() is False
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # cpu.yaml's processes leave the GPUs alone, those a job names too
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert devices.cpu_only() is True
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # --num_processes 1, as the sentence advises
     assert devices.cpu_only() is False

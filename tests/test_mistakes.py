@@ -183,6 +183,10 @@ MISTAKES = {
     "resume with fewer epochs than the checkpoint trained": (
         lambda p: cpu_gloo(p, "--num_epochs", "1", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest", output="preempted"),
         "The checkpoint to resume has trained into epoch 2, past the --num_epochs 1 asked for now: pass --num_epochs 2 or more"),
+    "output_dir inside a file, toy_mlp": (lambda p: python_command("toy_mlp.py", "--output_dir", p / "a_file" / "run"),
+                                          "a_file/run could not be made ([Errno 20] Not a directory"),
+    "lr that is not a number, toy_mlp": (lambda p: python_command("toy_mlp.py", "--lr", "nan", "--output_dir", p / "fresh"),
+                                         "argument --lr: must be greater than 0 and finite, got nan"),
     "output_dir that is a file, toy_mlp": (lambda p: python_command("toy_mlp.py", "--output_dir", p / "a_file"),
                                            "a_file is a file, not a folder: choose another --output_dir"),
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
