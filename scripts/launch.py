@@ -198,7 +198,7 @@ ENDING = threading.Lock()
 
 def stop_at_once_while_waiting(torchrun_log):
     """SIGTERM, SIGUSR1 or Ctrl-C while torchrun waits for the other machines, before it starts this
-    machine's processes or restarts them, ends the launch within a second with one line and 143 (Ctrl-C:
+    machine's processes or restarts them, ends the launch in about a second with one line and 143 (Ctrl-C:
     130), which the SLURM script requeues. Without this, SIGUSR1 killed the launcher (138) before torchrun's
     handlers were installed, and a rendezvous blocked in C++ (a connect to machine 0, a wait on the
     store), where no Python handler runs, heard no signal until it timed out. A thread woken by the signal
