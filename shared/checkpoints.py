@@ -166,10 +166,12 @@ class Checkpoints:
 
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
-        number of processes, so the position in samples carries over when it falls on a step boundary."""
+        number of processes, so the position in samples carries over when it falls on a step boundary
+        (with accumulation, a whole optimizer step: else this run's accumulation windows would not line up)."""
         if state["batches_done"] == state.get("batches_per_epoch"):  # saved after the epoch's last batch, ragged or not
             return self.batches_per_epoch
-        global_batch = self.accelerator.num_processes * self.batch_size
+        batch = self.accelerator.num_processes * self.batch_size
+        global_batch = batch * self.accelerator.gradient_accumulation_steps
         if state["samples_done"] % global_batch:
             saved = state["world_size"] * state["batch_size"]
             same_steps = (f"--batch_size {saved} (its steps of {saved})" if split_batches else
@@ -180,7 +182,7 @@ class Checkpoints:
                 f"Checkpoint {path} stopped {state['samples_done']} samples into epoch {state['epoch']}, which is not a whole "
                 f"number of this run's steps of {global_batch} samples: resume with {same_steps}, "
                 "or from an epoch checkpoint.", every_process=True)
-        return state["samples_done"] // global_batch
+        return state["samples_done"] // batch
 
 
 def first_intact(accelerator, output_dir, spec):

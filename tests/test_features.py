@@ -196,6 +196,20 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_dat
     assert_same_weights(weights(whole), weights(branch))
 
 
+def test_a_resume_at_another_process_count_falls_on_a_whole_optimizer_step(small_data, tmp_path):
+    """With gradient accumulation, the checkpoint's position must be a whole number of the new run's
+    optimizer steps (processes x batch x accumulation), not only of its batches, or its accumulation
+    windows would not line up: 96 samples in, 2 x 8 x 2 fits, 4 x 8 x 2 does not."""
+    flags = ["--data_dir", small_data, "--no_split_batches", "--batch_size", "8", "--gradient_accumulation_steps", "2",
+             "--num_epochs", "1", "--checkpointing_steps", "3"]
+    run_dir = tmp_path / "run"
+    run(launch_command("cpu_gloo.py", "--output_dir", run_dir, *flags, num_processes=2), cwd=tmp_path)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved: the folder can be resumed
+    refused = run(launch_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000003",
+                                 num_processes=4), cwd=tmp_path, check=False)
+    assert refused.returncode == 1 and "stopped 96 samples into epoch 1, which is not a whole number of this run's steps of 64 samples" in refused.stderr
+
+
 def test_a_resume_that_is_refused_sets_no_checkpoint_aside(small_data, tmp_path):
     """A resume from an earlier checkpoint that stops with a sentence (here at a batch size its position
     does not divide into) leaves the later checkpoints as they were, so that `latest` still finds them."""
