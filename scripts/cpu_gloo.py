@@ -151,11 +151,14 @@ def main(argv=None):
             checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
     # Every process: a resumed run that had already stopped early stops with a sentence.
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
-    log.continue_from(start)  # every process: the records of the epochs before the checkpoint's
     # Every process: a tracker that fails to start stops all; one that fails later warns and is left out, not the run.
     if args.with_tracking:
         with tracking.starting(accelerator, output_dir, args.report_to) as init_kwargs:
             accelerator.init_trackers("cpu_gloo", config=tracking.hyperparameters(vars(args)), init_kwargs=init_kwargs)
+    # Every process, now that nothing refuses the resume: the run goes on from the checkpoint, its later
+    # checkpoints set aside and only the records of the epochs before it kept.
+    saved.branch_at(start)
+    log.continue_from(start)
 
     step = start.global_step
     # --profile: torch.profiler records a window of steps on every process and writes their traces.

@@ -111,9 +111,8 @@ class Checkpoints:
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
         folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
         `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
-        epochs but no intact checkpoint, or has finished, stops with a sentence. The run's checkpoints
-        after the one resumed are set aside as abandoned_step_N, never deleted: `latest` then finds this
-        run's own newest, and pruning never takes one of its own for one of theirs."""
+        epochs but no intact checkpoint, or has finished, stops with a sentence. It changes nothing in the
+        folder: branch_at does, once nothing else can refuse the resume."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._check_nothing_to_resume)
@@ -123,18 +122,24 @@ class Checkpoints:
         stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(path, state, max_train_steps))
         position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                             tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
-        if self.writes and path.parent.resolve() == self.folder.resolve():
-            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if int(checkpoint.name[5:]) > state["global_step"]]:
-                aside = later.with_name(f"abandoned_{later.name}")
-                aside = aside.with_name(f"{aside.name}_{time.time_ns()}") if aside.exists() else aside  # from an earlier branch
-                later.rename(aside)
-                self.accelerator.print(f"Set aside {later}, saved after the checkpoint resumed, as {aside.name}.")
-        self.accelerator.wait_for_everyone()
         self.started = time.perf_counter() - state["elapsed_s"]
         # A checkpoint saved after its epoch's last batch, or at --max_train_steps, leaves no step to take before
         # the epoch's scheduler.step(): torch's warning that the scheduler then stepped first is about other code.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
         return position
+
+    def branch_at(self, position):
+        """Every process must call this, once every check that could refuse the resume has passed: the
+        run's checkpoints after the one resumed (`position`) are set aside as abandoned_step_N, never
+        deleted, so that `latest` finds this run's own newest, and pruning never takes one of its own
+        for one of theirs."""
+        if self.writes and position.path and position.path.parent.resolve() == self.folder.resolve():
+            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if int(checkpoint.name[5:]) > position.global_step]:
+                aside = later.with_name(f"abandoned_{later.name}")
+                aside = aside.with_name(f"{aside.name}_{time.time_ns()}") if aside.exists() else aside  # from an earlier branch
+                later.rename(aside)
+                self.accelerator.print(f"Set aside {later}, saved after the checkpoint resumed, as {aside.name}.")
+        self.accelerator.wait_for_everyone()
 
     def _check_nothing_to_resume(self):
         if (self.output_dir / METRICS_FILE).exists():  # never train again over the epochs of a run that saved no checkpoint

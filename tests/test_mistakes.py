@@ -146,6 +146,13 @@ MISTAKES = {
             "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
             "--output_dir", p / "fresh", "--with_tracking", "--report_to", "all")],
         "--report_to all could not start its tracker ([Errno 2] No such file or directory: '/proc/nope'): fix what it names"),
+    # A resume from an earlier checkpoint that the tracker's start refuses: the later checkpoint is not set
+    # aside, nor metrics.jsonl cut (the snapshot of preempted/ holds).
+    "a tracker that cannot start, resuming an earlier checkpoint": (
+        lambda p: ["env", "MLFLOW_TRACKING_URI=sqlite:////proc/nope/mlflow.db", *cpu_gloo(
+            p, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", checkpoint_of(p, "preempted"),
+            "--with_tracking", "--report_to", "mlflow", output="preempted")],
+        "--report_to mlflow could not start its tracker ([Errno 2] No such file or directory: '/proc/nope'): fix what it names"),
     "report_to without with_tracking": (lambda p: cpu_gloo(p, "--report_to", "mlflow"), "argument --report_to does nothing without --with_tracking"),
     "keep_last_checkpoints without checkpointing_steps": (lambda p: cpu_gloo(p, "--keep_last_checkpoints", "2"),
                                                           "argument --keep_last_checkpoints does nothing without --checkpointing_steps"),
