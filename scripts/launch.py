@@ -49,6 +49,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 from shared.devices import require_gpus
 from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, first_line, print_traceback_if_asked
+from shared.preemption import signal_numbers
 
 if CPP_LOG_LEVEL is None:  # the environment as it was (a test imports this module)
     del os.environ["TORCH_CPP_LOG_LEVEL"]
@@ -209,13 +210,10 @@ def stop_at_once_while_waiting(torchrun_log):
 
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, stop)
-    reader, writer = socket.socketpair()
-    writer.setblocking(False)
-    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    threading.Thread(target=end_if_stuck_waiting, args=(reader, writer, torchrun_log), daemon=True).start()
+    threading.Thread(target=end_if_stuck_waiting, args=(signal_numbers(), torchrun_log), daemon=True).start()
 
 
-def end_if_stuck_waiting(reader, writer, torchrun_log):  # writer: kept open as long as the thread lives
+def end_if_stuck_waiting(reader, torchrun_log):
     while True:
         signum = reader.recv(1)[0]
         if signum in STOP_SIGNALS and torchrun_log.waiting:

@@ -21,8 +21,8 @@ from accelerate.utils import gather_object
 from shared import stop_together
 from shared.errors import UserError, first_line
 from shared.metrics import read_records
-from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoints_in, model_saved_after,
-                               writes_here)
+from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
+                               model_saved_after, writes_here)
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ class Checkpoints:
         deleted, so that `latest` finds this run's own newest, and pruning never takes one of its own
         for one of theirs."""
         if self.writes and position.path and position.path.parent.resolve() == self.folder.resolve():
-            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if int(checkpoint.name[5:]) > position.global_step]:
+            for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint_step(checkpoint) > position.global_step]:
                 aside = later.with_name(f"abandoned_{later.name}")
                 aside = aside.with_name(f"{aside.name}_{time.time_ns()}") if aside.exists() else aside  # from an earlier branch
                 later.rename(aside)

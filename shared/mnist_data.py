@@ -39,7 +39,7 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
     raw_folder = Path(data_dir) / name / "raw"
     if source == "hub":
         splits = _from_hub(hub_name, data_dir, transform, download)
-    elif pipeline == "memory" and all(os.path.isfile(raw_folder / file) for file in RAW_FILES):  # as torchvision looks (no OSError)
+    elif pipeline == "memory" and _has_raw_files(raw_folder):
         splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
         splits = [_download(name, data_dir, raw_folder, train, transform, download) for train in (True, False)]
@@ -126,7 +126,7 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     _make(raw_folder)  # here rather than by torchvision, so that a failed run removes them
     from torchvision import datasets
 
-    fetching = download and not all(os.path.isfile(raw_folder / file) for file in RAW_FILES)
+    fetching = download and not _has_raw_files(raw_folder)
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except (RuntimeError, OSError, HTTPException) as error:  # OSError: also a bad file, a full disk
@@ -143,6 +143,10 @@ def _download(name, data_dir, raw_folder, train, transform, download):
         ) from None
     except (ValueError, EOFError, AssertionError, TypeError, LookupError) as error:  # torchvision asserts a file's header, then looks its type up
         raise _unreadable(name, raw_folder, error) from None
+
+
+def _has_raw_files(raw_folder):
+    return all(os.path.isfile(raw_folder / file) for file in RAW_FILES)  # as torchvision looks: no OSError for a folder it cannot search
 
 
 def _make(folder):

@@ -29,6 +29,18 @@ from shared.errors import STOPPED_EXIT_CODE, exit_now
 WAKEUP_SOCKETS = []
 
 
+def signal_numbers():
+    """A socket that receives the number of every signal this process gets (Python's wakeup fd, written by
+    its C-level handler): a thread can wait on it where the main thread, blocked in C, runs no handler.
+    Both ends stay open for the process's life: Python writes each later signal's number to the wakeup
+    fd, which once closed would be the number of the next file opened, a checkpoint's, say."""
+    reader, writer = socket.socketpair()
+    WAKEUP_SOCKETS.append((reader, writer))
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    return reader
+
+
 class Preemption:
     """With `enabled` (checkpointing on), SIGTERM and SIGUSR1 mark this process instead of ending it."""
 
@@ -46,13 +58,7 @@ class Preemption:
         if enabled:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
-            reader, writer = socket.socketpair()
-            # Open for the process's life, as the wakeup fd is set for it: Python writes each later signal's
-            # number there, which once closed would be the number of the next file opened, a checkpoint's, say.
-            WAKEUP_SOCKETS.append((reader, writer))
-            writer.setblocking(False)
-            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-            threading.Thread(target=self._end_if_stuck, args=(reader,), daemon=True).start()
+            threading.Thread(target=self._end_if_stuck, args=(signal_numbers(),), daemon=True).start()
 
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY

@@ -28,7 +28,12 @@ LOCK_FILE = ".lock"  # locked by the live run's main process; the kernel lets go
 def checkpoints_in(folder):
     """The complete checkpoints in a checkpoints folder, oldest first (a .tmp_ one being written is not)."""
     found = [path for path in Path(folder).glob("step_*") if path.name[5:].isdigit() and (path / STATE_FILE).is_file()]  # not a step_N.bak copy
-    return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint):
+    """The optimizer step a checkpoint folder (step_N) was saved after."""
+    return int(checkpoint.name.removeprefix("step_"))
 
 
 def model_saved_after(output_dir, checkpoint):
