@@ -5,12 +5,17 @@
     notebook_launcher(in_notebook(main), args=([],), num_processes=2)
 """
 
+import os
+import sys
+
 from shared.errors import UserError, end_in_its_sentence, exit_now
 
 
 def in_notebook(main):
     """main, for notebook_launcher, which every process it starts calls: a UserError ends in its one
     sentence, as under errors.run_main, not in a traceback of every process; the cell then ends."""
+    _hold_the_output_locks_across_forks()
+
     def run(*args):
         try:
             main(*args)
@@ -19,3 +24,32 @@ def in_notebook(main):
             if not error.every_process:  # the others go on: the launcher stops them once this process fails
                 exit_now(1)
     return run
+
+
+_held_output_locks = []
+_forks_hold_the_output_locks = False
+
+
+def _hold_the_output_locks_across_forks():
+    """notebook_launcher forks the kernel, whose sys.stdout and sys.stderr (ipykernel's) guard their
+    buffer with a lock that the kernel's IOPub thread takes to send what was printed. A fork in that
+    moment leaves the lock held in the child for good, and that process hangs at its first print (in a
+    kernel that forked 40 times while a thread printed, 16 children hung). Holding the locks across each
+    fork, as the logging module does for its own, gives every child free ones."""
+    global _forks_hold_the_output_locks
+    if not _forks_hold_the_output_locks:  # once: a hook stays registered for the kernel's life
+        os.register_at_fork(before=_take_the_output_locks, after_in_parent=_give_back_the_output_locks,
+                            after_in_child=_give_back_the_output_locks)
+        _forks_hold_the_output_locks = True
+
+
+def _take_the_output_locks():
+    for stream in (sys.stdout, sys.stderr):
+        lock = getattr(stream, "_buffer_lock", None)  # ipykernel's OutStream; a terminal's stream has none
+        if lock is not None and lock.acquire(timeout=5):  # a lock some stuck thread holds for good never stops a fork
+            _held_output_locks.append(lock)
+
+
+def _give_back_the_output_locks():
+    while _held_output_locks:
+        _held_output_locks.pop().release()

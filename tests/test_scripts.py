@@ -141,7 +141,6 @@ def test_toy_mlp_from_a_notebook_cell_in_a_jupyter_kernel(tmp_path):
     """The docs' notebook cell, run twice in a real Jupyter kernel (nbclient, ipykernel): the first trains
     as 2 processes; the second, into the same folder, ends in the one sentence, not a traceback of each."""
     import nbformat
-    from nbclient import NotebookClient
 
     cell = f"""
 import sys
@@ -153,7 +152,7 @@ from toy_mlp import main
 notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)
 """
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell(cell)])
-    NotebookClient(notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    run_in_a_kernel(notebook, tmp_path)
     records = read_metrics(tmp_path / "run")
     assert records[-1]["world_size"] == 2
     assert records[-1]["eval_accuracy"] == 1.0 and records[-1]["train_eval_accuracy"] == 1.0
@@ -163,6 +162,56 @@ notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run
     stderr = "".join(output.text for output in again if output.name == "stderr")
     assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
         f"error: --output_dir {tmp_path / 'run'} already holds a run: choose another --output_dir."], stderr
+
+
+
+def test_a_notebook_launch_forks_processes_that_can_print_while_the_kernel_prints(tmp_path):
+    """ipykernel's IOPub thread takes sys.stdout's lock to send what was printed; a process that
+    notebook_launcher forks in that moment would hang at its first print. After in_notebook(), the
+    kernel's forks wait for the lock: 20 forks while a thread prints, each child prints and exits."""
+    cell = f"""
+import os, sys, threading, time
+from shared.notebook import in_notebook
+in_notebook(print)
+printing = True
+def print_all_the_time():
+    while printing:
+        sys.stdout.write(".")
+threading.Thread(target=print_all_the_time, daemon=True).start()
+hung = 0
+for _ in range(20):
+    child = os.fork()
+    if child == 0:
+        print("a forked process prints", flush=True)
+        os._exit(0)
+    deadline = time.monotonic() + 5
+    while not os.waitpid(child, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            break
+        time.sleep(0.01)
+printing = False
+open({str(tmp_path / "hung")!r}, "w").write(str(hung))
+"""
+    import nbformat
+
+    run_in_a_kernel(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), tmp_path)
+    assert (tmp_path / "hung").read_text() == "0", "forked processes hung at their first print"
+
+
+def run_in_a_kernel(notebook, folder, timeout_s=120):
+    """Run a notebook's cells in a real Jupyter kernel (nbclient, ipykernel); a cell that times out fails
+    the test with what every cell had printed by then."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError
+
+    try:
+        NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    except CellTimeoutError:
+        printed = ["".join(output.get("text", "") for output in cell.get("outputs", [])) for cell in notebook.cells]
+        pytest.fail(f"a cell ran over {timeout_s} s; the cells had printed: {printed}")
 
 
 @pytest.mark.smoke
