@@ -122,9 +122,9 @@ def main(argv=None):
     accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
 
     if args.eval_only:  # evaluate the weights of --resume_from_checkpoint over all processes, then stop
-        weights = evaluation.weights_to_evaluate(accelerator, args.resume_from_checkpoint, output_dir)  # every process
-        if weights.is_file():
-            evaluation.load_model_file(accelerator, model, weights)
+        weights, is_model_file = evaluation.weights_to_evaluate(accelerator, args.resume_from_checkpoint, output_dir)  # every process
+        if is_model_file:
+            evaluation.load_model_file(accelerator, model, weights)  # every process
         else:
             with checkpoints.loading(weights, accelerator):
                 accelerator.load_state(weights)

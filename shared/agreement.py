@@ -22,6 +22,9 @@ from shared.errors import UserError
 # checkpoint pruning, and how long to wait for a lost machine.
 PER_MACHINE_FLAGS = {"output_dir", "data_dir", "overwrite_output_dir", "num_workers", "report_to", "keep_last_checkpoints",
                      "ddp_timeout"}
+# Compared by their effect: the precision in the profile below (--mixed_precision bf16 on one machine and a bf16
+# profile on another train the same), the data set by its content (check_data: a local copy at another path reads the same).
+COMPARED_BY_EFFECT = {"mixed_precision", "dataset_name"}
 # What is compared, and what to do about a difference.
 ADVICE = {"flags": "start every process with the same training flags",
           "profile": "launch every machine with the same launch profile settings",
@@ -35,7 +38,7 @@ def check(accelerator, flags):
     flags (`flags`, vars(args), less PER_MACHINE_FLAGS; a checkpoint to resume by its folder's name), what
     the Accelerator runs with (the launch profile's precision, distributed type, device, torch.compile and
     FSDP settings), the code (the script and shared/) and the torch and accelerate versions."""
-    trained = {name: value for name, value in flags.items() if name not in PER_MACHINE_FLAGS}
+    trained = {name: value for name, value in flags.items() if name not in PER_MACHINE_FLAGS | COMPARED_BY_EFFECT}
     if trained.get("resume_from_checkpoint"):
         trained["resume_from_checkpoint"] = Path(trained["resume_from_checkpoint"]).name
     state = accelerator.state

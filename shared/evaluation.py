@@ -15,14 +15,15 @@ from shared.run_folder import EVAL_FILE, MODEL_FILE
 
 def weights_to_evaluate(accelerator, spec, output_dir):
     """Every process must call this: what --eval_only evaluates for --resume_from_checkpoint `spec`: a
-    checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir."""
+    checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir; and whether it
+    is a model file, as the main process found (another machine's disk may lack the file)."""
     if not spec:
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
     if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
-        return Path(spec)
+        return Path(spec), True
     checkpoint = first_intact(accelerator, output_dir, spec)
     if spec != "latest":
-        return checkpoint
+        return checkpoint, False
     model_file = Path(output_dir) / MODEL_FILE  # on every machine, where each has a disk of its own
 
     def newest():
@@ -31,18 +32,33 @@ def weights_to_evaluate(accelerator, spec, output_dir):
             raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
                             "of a run, or a path.")
         return max(found, key=lambda path: path.stat().st_mtime) == model_file
-    return model_file if stop_together.on_main_process(accelerator, newest) else checkpoint
+    return (model_file, True) if stop_together.on_main_process(accelerator, newest) else (checkpoint, False)
 
 
 def load_model_file(accelerator, model, path):
-    """A model.safetensors into the prepared model, plain, DDP or FSDP2-sharded alike."""
+    """Every process must call this: a model.safetensors into the prepared model, plain, DDP or FSDP2-sharded
+    alike. A file that some process cannot read (its machine's disk lacks it) stops every one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
 
+    weights = sentence = None
     try:
-        set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), load_file(path),
+        weights = load_file(path)
+    except OSError as error:
+        sentence = (f"{path} could not be read by process {accelerator.process_index} ({first_line(error)}): where each machine "
+                    "has a disk of its own, copy the file to the same path on each.")
+    except Exception as error:  # safetensors' own error for a file that is not one of its
+        sentence = _not_this_model(path, error)
+    stop_together.if_any_failed(sentence)  # before the load, which is a collective under FSDP
+    try:
+        set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), weights,
                              options=StateDictOptions(full_state_dict=True))
-    except Exception as error:  # safetensors and load_state_dict raise many kinds
-        raise UserError(f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors.") from None
+    except Exception as error:  # load_state_dict raises many kinds
+        sentence = _not_this_model(path, error)
+    stop_together.if_any_failed(sentence)  # each machine may load a file of its own
+
+
+def _not_this_model(path, error):
+    return f"{path} does not hold this script's model weights ({first_line(error)}): pass its own model.safetensors."
 
 
 def report(result, source, accelerator, output_dir):

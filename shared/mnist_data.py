@@ -3,6 +3,7 @@ and read for either --data_pipeline. The scripts call load() inside main_process
 process downloads and the others read its files. torchvision is imported only where it is used (about
 0.5 s of CPU per process): --help and an in-memory run whose files are there never load it."""
 
+import errno
 import math
 import os
 from http.client import HTTPException
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from shared.errors import UserError, first_line, make_folders
+from shared.errors import UserError, first_line, make_folders, remove_if_run_fails
 
 # torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -127,9 +128,15 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     from torchvision import datasets
 
     fetching = download and not _has_raw_files(raw_folder)
+    there_before = set(raw_folder.iterdir()) if fetching else None
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except (RuntimeError, OSError, HTTPException) as error:  # OSError: also a bad file, a full disk
+        for path in set(raw_folder.iterdir()) - there_before if fetching else ():  # what the failed download wrote:
+            remove_if_run_fails(path)  # a part-written file would pass for the data set next time
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"The disk of {raw_folder} is full ({first_line(error)}): free space there, or pass a --data_dir "
+                            f"on a disk with room for {name}'s download (about 90 MB).") from None
         lost_connection = fetching and isinstance(error, (ConnectionError, TimeoutError, HTTPException))  # in the middle of a download
         if not ("download" in str(error).lower() if isinstance(error, RuntimeError) else lost_connection):
             raise _unreadable(name, raw_folder, error) from None

@@ -10,6 +10,7 @@ would run the same; test_forked_runs.py shows that it ends as one does. The smok
 interpreter, as users start them.
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -188,6 +189,19 @@ def two_machines(cwd, machine_args, config="cpu.yaml"):
     ]
     outputs = [job.communicate(timeout=TIMEOUT) for job in jobs]
     return [subprocess.CompletedProcess(job.args, job.returncode, *output) for job, output in zip(jobs, outputs)]
+
+
+@contextlib.contextmanager
+def small_disk(folder, size):
+    """`folder`, made, as a disk of `size` bytes (a tmpfs) for as long as the block runs: a disk that fills
+    up. Skips the test where mounting is not allowed (it needs root)."""
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", folder])
 
 
 def data_flags(script, data_dir):

@@ -16,7 +16,7 @@ import torch
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import TensorDataset
 
-from conftest import CONFIGS, SCRIPTS, TOOLS, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, SCRIPTS, TOOLS, python_command, read_metrics, run, script_env, small_disk
 from shared import mnist_data
 from shared.errors import UserError
 from shared.in_memory_loader import InMemoryLoader
@@ -66,23 +66,54 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
     assert f"The MNIST files in {raw} could not be read" in result.stderr
 
 
+@contextlib.contextmanager
+def http_proxy(monkeypatch, answer):
+    """An HTTP proxy made here, as the test's http_proxy (and its processes'): answer(connection) answers
+    each request, and the connection is then closed."""
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        def serve():
+            while True:
+                try:
+                    connection = proxy.accept()[0]
+                except OSError:  # the proxy closed at the test's end
+                    return
+                with connection, contextlib.suppress(OSError):  # the client may hang up first
+                    answer(connection)
+
+        threading.Thread(target=serve, daemon=True).start()
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        for bypass in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(bypass, raising=False)
+        yield
+
+
 def test_a_connection_lost_during_the_download_ends_in_the_download_sentence(tmp_path, monkeypatch):
     """FashionMNIST's mirror is plain http: through a proxy made here that closes every connection
     unanswered, as a network lost mid-download does, the load ends in the sentence of a failed download,
     not a traceback nor the advice to delete files that were never there."""
-    with socket.create_server(("127.0.0.1", 0)) as proxy:
-        def close_every_connection():
-            with contextlib.suppress(OSError):  # the proxy closed at the test's end
-                while True:
-                    proxy.accept()[0].close()
-
-        threading.Thread(target=close_every_connection, daemon=True).start()
-        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
-        for bypass in ("no_proxy", "NO_PROXY"):
-            monkeypatch.delenv(bypass, raising=False)
+    with http_proxy(monkeypatch, answer=lambda connection: None):
         with pytest.raises(UserError, match=r"^FashionMNIST is not in .+ and could not be downloaded \((Remote end closed connection "
                            r"without response|\[Errno 104\] Connection reset by peer)\): connect to the internet"):
             mnist_data.load("FashionMNIST", tmp_path / "data", download=True, source="torchvision", hub_name=None, pipeline="memory")
+
+
+def test_a_full_disk_during_the_download_ends_in_its_sentence_and_leaves_the_disk_as_it_was(tmp_path, monkeypatch):
+    """--data_dir on a 1 MB disk, through a proxy made here that answers each download with 4 MB: the
+    download fills the disk. One sentence says that the disk is full, not that the files could not be
+    read, and the failed run removes what it wrote there, the part-written file too."""
+    def send_4_mb(connection):
+        request = connection.recv(65536)  # urllib sends the request line and headers in one write
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4194304\r\nConnection: close\r\n\r\n")
+        if not request.startswith(b"HEAD"):  # torchvision asks for redirects first
+            connection.sendall(bytes(4 << 20))
+
+    with http_proxy(monkeypatch, answer=send_4_mb), small_disk(tmp_path / "disk", 1 << 20) as disk:
+        result = run(python_command("seq_net.py", "--data_dir", disk / "data", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)
+        raw_folder = disk / "data" / "FashionMNIST" / "raw"
+        assert result.returncode == 1 and result.stderr == (
+            f"error: The disk of {raw_folder} is full ([Errno 28] No space left on device): free space there, or pass a "
+            "--data_dir on a disk with room for FashionMNIST's download (about 90 MB).\n")
+        assert list(disk.iterdir()) == [] and not (tmp_path / "run").exists()
 
 
 def test_a_hub_data_set_of_colour_images_ends_in_one_sentence(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, python_command, read_metrics, read_state, run, script_env, two_machines
+from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -156,12 +156,8 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
     checkpoints before it stay complete and 'latest'; copied to a disk with room, the run resumes from
     them to the end of the run that never stopped."""
     reference = reference(num_processes)
-    disk = tmp_path / "disk"
-    disk.mkdir()
     size = int(2.5 * page_rounded_size(reference / "checkpoints" / "step_00000050")) + 2 * 4096  # and metrics.jsonl
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", disk]).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with small_disk(tmp_path / "disk", size) as disk:
         output_dir = disk / "run"
         failed = run(training_command(num_processes, "--output_dir", output_dir, "--data_dir", small_data, *FLAGS), cwd=tmp_path, check=False)
         assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
@@ -175,8 +171,6 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
         assert all(checkpoint_damage(path) is None for path in saved)
         moved = tmp_path / "moved"
         shutil.copytree(output_dir, moved)
-    finally:
-        subprocess.run(["umount", disk])
     run(training_command(num_processes, "--output_dir", moved, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert_ends_like(reference, moved)
 
@@ -340,7 +334,8 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
     """Machine 1 launched with bf16 (its copy of the profile edited): the same flags, but the Accelerators
-    differ, which the processes compare too."""
+    differ, which the processes compare too. The precision is compared by its effect, not by where it was
+    set: the profile's bf16 on one machine and --mixed_precision bf16 on the other train."""
     args = [SCRIPTS / "cpu_gloo.py", "--data_dir", small_data, "--output_dir", tmp_path / "run", "--num_epochs", "1"]
     host = os.uname().nodename
     results = two_machines(tmp_path, [args, ["--mixed_precision", "bf16", *args]])
@@ -350,6 +345,10 @@ def test_machines_launched_with_different_profiles_stop_before_the_first_step(sm
         assert line == (f"error: The processes disagree before the first step: mixed precision is bf16 in process 1 on {host} but "
                         f"mixed precision is no in process 0 on {host}: launch every machine with the same launch profile settings."), line
     assert not (tmp_path / "run" / "model.safetensors").exists()
+    # The same precision, from the profile on one machine and from the script's flag on the other, trains.
+    results = two_machines(tmp_path, [["--mixed_precision", "bf16", *args], [*args, "--mixed_precision", "bf16"]])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert read_metrics(tmp_path / "run")[-1]["world_size"] == 2
 
 
 def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, ranks=("0", "1")):

@@ -402,6 +402,23 @@ def test_eval_only_latest_evaluates_the_newest_weights_of_the_run(data_dir, tmp_
     assert (run_dir / "eval.json").read_text() == before
 
 
+def test_eval_only_of_a_model_file_that_one_machines_disk_lacks_stops_both_machines_in_one_sentence(data_dir, tmp_path):
+    """Two machines with a disk each (two launches, each with folders of its own), and --eval_only of a
+    model.safetensors that only machine 0's disk holds: both stop with one sentence that names the file,
+    the process that could not read it and the way on. Before, machine 1 stopped alone and machine 0
+    waited for it in the evaluation, then ended as a lost peer."""
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "1")
+    missing = tmp_path / "machine_1" / "model.safetensors"
+    flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", data_dir, "--eval_only", "--resume_from_checkpoint"]
+    results = two_machines(tmp_path, [[*flags, run_dir / "model.safetensors", "--output_dir", run_dir],
+                                      [*flags, missing, "--output_dir", tmp_path / "machine_1"]])
+    for result in results:
+        assert result.returncode == 1 and [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: {missing} could not be read by process 1 (No such file or directory: {missing}): where each machine has a disk of its "
+            "own, copy the file to the same path on each."], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert not (run_dir / "eval.json").exists()
+
+
 # -- precision, accumulation, schedule ------------------------------------------------------------
 
 def test_channels_last_trains_and_saves_weights_that_load_into_the_plain_net(data_dir, tmp_path):
@@ -515,6 +532,17 @@ def test_hub_source_trains_on_a_local_datasets_folder(script, tmp_path):
     assert records[-1]["eval_samples"] == 100 and records[-1]["world_size"] == 2
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert (tmp_path / "cache" / "huggingface").is_dir(), "cached under --data_dir"
+
+
+def test_machines_may_read_a_local_hub_data_set_from_copies_at_different_paths(tmp_path):
+    """Each machine its own copy of a local data set, at a path of its own: the processes compare the data
+    by its content, not --dataset_name's text, so the two machines train as one group."""
+    copies = [write_hub_dataset(tmp_path / "machine_0" / "hub_mnist", num_train=200, num_test=50), tmp_path / "machine_1" / "mnist"]
+    shutil.copytree(copies[0], copies[1])
+    results = two_machines(tmp_path, [[SCRIPTS / "cpu_gloo.py", "--dataset_source", "hub", "--dataset_name", copy, "--num_epochs", "1",
+                                       "--data_dir", copy.parent / "cache", "--output_dir", copy.parent / "run"] for copy in copies])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert read_metrics(tmp_path / "machine_0" / "run")[-1]["world_size"] == 2
 
 
 def test_hub_and_torchvision_sources_feed_the_same_samples(tmp_path):
