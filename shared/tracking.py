@@ -4,6 +4,7 @@ under --output_dir."""
 import contextlib
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -16,15 +17,10 @@ from shared.run_folder import MLFLOW_ARTIFACTS, MLFLOW_DB, TENSORBOARD_FOLDER
 
 def log_with(with_tracking, report_to):
     """The Accelerator's log_with: no tracker unless --with_tracking; TensorBoard unless --report_to says
-    otherwise. Stops with a sentence where the tracker's package is not installed."""
+    otherwise. starting() checks that the main process, the one that runs them, has their packages."""
     if not with_tracking:
         return None
-    trackers = ["tensorboard", "mlflow"] if report_to == "all" else [report_to or "tensorboard"]
-    for tracker, available in (("tensorboard", is_tensorboard_available), ("mlflow", is_mlflow_available)):
-        if tracker in trackers and not available():  # else accelerate leaves it out, and the run records nothing
-            raise UserError(f"--report_to {tracker} needs the {tracker} package, which is not installed here: pip install {tracker}, "
-                            "or train without --with_tracking.", every_process=True)
-    return trackers
+    return ["tensorboard", "mlflow"] if report_to == "all" else [report_to or "tensorboard"]
 
 
 def project_config(output_dir):
@@ -41,7 +37,9 @@ def starting(accelerator, output_dir, report_to):
     set wins). A tracker that fails to start (a server down, a store it cannot make) stops every process
     with one sentence, not a traceback on one and a wait on the others; the trackers started before it
     are closed, and the stores they made in output_dir removed (a resumed run's stay). One that fails
-    later is left out with a warning (_left_out_if_failing), not the run."""
+    later is left out with a warning (_left_out_if_failing), not the run; one whose package the main
+    process lacks stops every process before any starts."""
+    stop_together.on_main_process(accelerator, lambda: _check_installed(log_with(True, report_to)))
     output_dir = Path(output_dir).resolve()
     if report_to in ("mlflow", "all"):
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
@@ -62,6 +60,14 @@ def starting(accelerator, output_dir, report_to):
         for tracker in accelerator.trackers:  # the main process's: the others have none
             _left_out_if_failing(tracker)
     stop_together.if_any_failed(error)
+
+
+def _check_installed(trackers):
+    """On the main process, which alone runs the trackers (another machine may go without their packages)."""
+    for tracker, available in (("tensorboard", is_tensorboard_available), ("mlflow", is_mlflow_available)):
+        if tracker in trackers and not available():  # else accelerate leaves it out, and the run records nothing
+            raise UserError(f"--report_to {tracker} needs the {tracker} package, which is not installed on {socket.gethostname()}, "
+                            f"the main process's machine: pip install {tracker} there, or train without --with_tracking.")
 
 
 def _left_out_if_failing(tracker):

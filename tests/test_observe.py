@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -203,18 +204,25 @@ def test_a_tracker_that_fails_mid_run_is_left_out_with_a_warning_and_the_run_tra
     assert [event.step for event in events.Scalars("eval_accuracy")] == [1, 2]
 
 
-def test_a_tracker_whose_package_is_missing_is_named_not_left_out(monkeypatch):
+def test_a_tracker_whose_package_the_main_process_lacks_is_named_not_left_out(monkeypatch, tmp_path):
     """A stand-in for an environment without mlflow (this one has it): it assumes only that accelerate's
-    own check then says so, as it would there; accelerate would leave the tracker out without a word."""
+    own check then says so, as it would there; accelerate would leave the tracker out without a word. The
+    main process alone runs the trackers, so it alone checks (another machine may go without the package),
+    and every process stops with its sentence (a one-process stand-in here: on_main_process passes it on)."""
+    import socket
+
     from shared import tracking
     from shared.errors import UserError
 
     monkeypatch.setattr(tracking, "is_mlflow_available", lambda: False)
-    assert tracking.log_with(True, "tensorboard") == ["tensorboard"]
-    with pytest.raises(UserError, match=r"^--report_to mlflow needs the mlflow package, which is not installed here: "
-                       r"pip install mlflow, or train without --with_tracking\.$") as stop:
-        tracking.log_with(True, "all")
+    assert tracking.log_with(True, "all") == ["tensorboard", "mlflow"], "the Accelerator of every process is given both"
+    main_process = SimpleNamespace(is_main_process=True, trackers=[])
+    with pytest.raises(UserError, match=rf"^--report_to mlflow needs the mlflow package, which is not installed on "
+                       rf"{socket.gethostname()}, the main process's machine: pip install mlflow there, or train without --with_tracking\.$") as stop:
+        with tracking.starting(main_process, tmp_path, "all"):
+            pytest.fail("no tracker starts")
     assert stop.value.every_process
+    assert not any(tmp_path.iterdir()), "no tracker's store was made"
 
 
 @pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
