@@ -4,10 +4,11 @@ accuracy printed and saved as eval.json."""
 import json
 from pathlib import Path
 
+from accelerate.utils import gather_object
 from safetensors.torch import load_file
 
 from shared import stop_together
-from shared.checkpoints import first_intact
+from shared.checkpoints import first_intact, sha256
 from shared.errors import UserError, first_line
 from shared.metrics import write_whole
 from shared.run_folder import EVAL_FILE, MODEL_FILE
@@ -40,21 +41,22 @@ def load_model_file(accelerator, model, path):
     alike. A file that some process cannot read (its machine's disk lacks it) stops every one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s of imports: only here
 
-    weights = sentence = None
+    weights = sentence = digest = None
     try:
-        weights = load_file(path)
+        weights, digest = load_file(path), sha256(path)
     except OSError as error:
         sentence = (f"{path} could not be read by process {accelerator.process_index} ({first_line(error)}): where each machine "
                     "has a disk of its own, copy the file to the same path on each.")
     except Exception as error:  # safetensors' own error for a file that is not one of its
         sentence = _not_this_model(path, error)
     stop_together.if_any_failed(sentence)  # before the load, which is a collective under FSDP
+    if len(set(gather_object([digest]))) > 1:  # each machine reads its own copy
+        raise UserError(f"The copies of {path} differ from machine to machine: copy the same file to each.", every_process=True)
     try:
         set_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), weights,
                              options=StateDictOptions(full_state_dict=True))
-    except Exception as error:  # load_state_dict raises many kinds
-        sentence = _not_this_model(path, error)
-    stop_together.if_any_failed(sentence)  # each machine may load a file of its own
+    except Exception as error:  # load_state_dict raises many kinds; the same file fails alike, before any collective
+        raise UserError(_not_this_model(path, error), every_process=True) from None
 
 
 def _not_this_model(path, error):

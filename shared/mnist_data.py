@@ -128,12 +128,15 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     from torchvision import datasets
 
     fetching = download and not _has_raw_files(raw_folder)
-    there_before = set(raw_folder.iterdir()) if fetching else None
+    # What a download writes (each archive, and the file it extracts) and is not there yet: a failed download
+    # removes it, for a part-written file would pass for the data set next time.
+    absent = [path for file in RAW_FILES for path in (raw_folder / file, raw_folder / f"{file}.gz")
+              if fetching and not os.path.exists(path)]
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except (RuntimeError, OSError, HTTPException) as error:  # OSError: also a bad file, a full disk
-        for path in set(raw_folder.iterdir()) - there_before if fetching else ():  # what the failed download wrote:
-            remove_if_run_fails(path)  # a part-written file would pass for the data set next time
+        for path in absent:
+            remove_if_run_fails(path)
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise UserError(f"The disk of {raw_folder} is full ({first_line(error)}): free space there, or pass a --data_dir "
                             f"on a disk with room for {name}'s download (about 90 MB).") from None

@@ -7,6 +7,7 @@
 
 import os
 import sys
+import threading
 
 from shared.errors import UserError, end_in_its_sentence, exit_now
 
@@ -26,7 +27,7 @@ def in_notebook(main):
     return run
 
 
-_held_output_locks = []
+_held = threading.local()  # by the thread that forks: two threads may fork at once
 _forks_hold_the_output_locks = False
 
 
@@ -44,12 +45,13 @@ def _hold_the_output_locks_across_forks():
 
 
 def _take_the_output_locks():
+    _held.locks = []
     for stream in (sys.stdout, sys.stderr):
         lock = getattr(stream, "_buffer_lock", None)  # ipykernel's OutStream; a terminal's stream has none
         if lock is not None and lock.acquire(timeout=5):  # a lock some stuck thread holds for good never stops a fork
-            _held_output_locks.append(lock)
+            _held.locks.append(lock)
 
 
 def _give_back_the_output_locks():
-    while _held_output_locks:
-        _held_output_locks.pop().release()
+    while _held.locks:
+        _held.locks.pop().release()

@@ -70,21 +70,27 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
 def http_proxy(monkeypatch, answer):
     """An HTTP proxy made here, as the test's http_proxy (and its processes'): answer(connection) answers
     each request, and the connection is then closed."""
+    stopped = threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as proxy:
-        def serve():
-            while True:
-                try:
-                    connection = proxy.accept()[0]
-                except OSError:  # the proxy closed at the test's end
-                    return
-                with connection, contextlib.suppress(OSError):  # the client may hang up first
-                    answer(connection)
+        proxy.settimeout(0.2)  # to see `stopped`: closing the socket would not wake accept()
 
-        threading.Thread(target=serve, daemon=True).start()
+        def serve():
+            while not stopped.is_set():
+                with contextlib.suppress(TimeoutError):
+                    connection = proxy.accept()[0]
+                    with connection, contextlib.suppress(OSError):  # the client may hang up first
+                        answer(connection)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
         monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
         for bypass in ("no_proxy", "NO_PROXY"):
             monkeypatch.delenv(bypass, raising=False)
-        yield
+        try:
+            yield
+        finally:
+            stopped.set()
+            server.join()
 
 
 def test_a_connection_lost_during_the_download_ends_in_the_download_sentence(tmp_path, monkeypatch):
@@ -101,11 +107,9 @@ def test_a_full_disk_during_the_download_ends_in_its_sentence_and_leaves_the_dis
     """--data_dir on a 1 MB disk, through a proxy made here that answers each download with 4 MB: the
     download fills the disk. One sentence says that the disk is full, not that the files could not be
     read, and the failed run removes what it wrote there, the part-written file too."""
-    def send_4_mb(connection):
-        request = connection.recv(65536)  # urllib sends the request line and headers in one write
-        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4194304\r\nConnection: close\r\n\r\n")
-        if not request.startswith(b"HEAD"):  # torchvision asks for redirects first
-            connection.sendall(bytes(4 << 20))
+    def send_4_mb(connection):  # to every request (torchvision's check for a redirect hangs up after the headers)
+        connection.recv(65536)  # urllib sends the request line and headers in one write
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4194304\r\nConnection: close\r\n\r\n" + bytes(4 << 20))
 
     with http_proxy(monkeypatch, answer=send_4_mb), small_disk(tmp_path / "disk", 1 << 20) as disk:
         result = run(python_command("seq_net.py", "--data_dir", disk / "data", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import SCRIPTS, TOOLS, checkpoints_in, data_flags, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
@@ -406,7 +406,8 @@ def test_eval_only_of_a_model_file_that_one_machines_disk_lacks_stops_both_machi
     """Two machines with a disk each (two launches, each with folders of its own), and --eval_only of a
     model.safetensors that only machine 0's disk holds: both stop with one sentence that names the file,
     the process that could not read it and the way on. Before, machine 1 stopped alone and machine 0
-    waited for it in the evaluation, then ended as a lost peer."""
+    waited for it in the evaluation, then ended as a lost peer. A copy of other weights on machine 1 stops
+    both too."""
     run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "1")
     missing = tmp_path / "machine_1" / "model.safetensors"
     flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", data_dir, "--eval_only", "--resume_from_checkpoint"]
@@ -416,6 +417,15 @@ def test_eval_only_of_a_model_file_that_one_machines_disk_lacks_stops_both_machi
         assert result.returncode == 1 and [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
             f"error: {missing} could not be read by process 1 (No such file or directory: {missing}): where each machine has a disk of its "
             "own, copy the file to the same path on each."], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    # Another model's weights in machine 1's copy (the same keys): evaluated, the two halves of the test set would mix them.
+    other = load_file(run_dir / "model.safetensors")
+    missing.parent.mkdir()  # the failed run above removed the folder it had made
+    save_file({name: tensor + 1 for name, tensor in other.items()}, missing)
+    results = two_machines(tmp_path, [[*flags, run_dir / "model.safetensors", "--output_dir", run_dir],
+                                      [*flags, missing, "--output_dir", tmp_path / "machine_1"]])
+    for result, path in zip(results, (run_dir / "model.safetensors", missing)):
+        assert result.returncode == 1 and [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: The copies of {path} differ from machine to machine: copy the same file to each."], result.stderr[-3000:]
     assert not (run_dir / "eval.json").exists()
 
 
