@@ -2,21 +2,24 @@
 Each check fails if its flag silently did nothing; a flag that only observes leaves the weights bitwise
 as they were."""
 
+import contextlib
 import gzip
 import json
 import shutil
-import subprocess
+import sqlite3
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import TIMEOUT, TOOLS, checkpoints_in, python, python_command, read_metrics, read_state, run, script_env
+from conftest import TOOLS, checkpoints_in, python_command, read_metrics, read_state, run, script_env
 from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
+
+
+TRACKED = ["--with_tracking", "--report_to", "all"]  # both trackers: they only observe
 
 
 def step_time_table(profile_folder, cwd):
@@ -106,10 +109,12 @@ def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():
 
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
-    """Under cpu.yaml at 4 processes: a trace and a row of the table for each process, and the weights
-    of the same run without --profile."""
+    """Under cpu.yaml at 4 processes: a trace and a row of the table for each process, and, tracked by
+    both trackers too, the weights of the same run without --profile and tracking."""
     plain, _ = train("cpu_gloo.py", tmp_path, "plain", "--max_train_steps", "14", num_processes=4, data_dir=data_dir)
-    profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", num_processes=4, data_dir=data_dir)
+    profiled, result = train("cpu_gloo.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", *TRACKED,
+                             num_processes=4, data_dir=data_dir)
+    assert read_metrics(profiled)[-1]["world_size"] == 4 and all((profiled / store).exists() for store in ("tensorboard", "mlflow.db"))
     assert_same_weights(weights(plain), weights(profiled))
     assert sorted(path.name for path in (profiled / "profile").glob("trace_rank*.json")) == [f"trace_rank{rank}.json" for rank in range(4)]
     printed, rows = step_time_table(profiled / "profile", tmp_path)
@@ -120,10 +125,14 @@ def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
 
 
 def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_path):
-    """A trace of a process this run does not have (left by an earlier launch at 2) goes: the table is this run's."""
+    """A trace of a process this run does not have (left by an earlier launch at 2) goes: the table is this run's.
+    Profiled and tracked, one process trains the weights of the same run without either."""
     (tmp_path / "profiled" / "profile").mkdir(parents=True)
     (tmp_path / "profiled" / "profile" / "trace_rank1.json").write_text('{"traceEvents": []}')
-    profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", data_dir=data_dir)
+    plain, _ = train("mnist_conv.py", tmp_path, "plain", "--max_train_steps", "14", data_dir=data_dir)
+    profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", *TRACKED, data_dir=data_dir)
+    assert read_metrics(profiled)[-1]["world_size"] == 1 and all((profiled / store).exists() for store in ("tensorboard", "mlflow.db"))
+    assert_same_weights(weights(plain), weights(profiled))
     _, (row,) = step_time_table(profiled / "profile", tmp_path)
     assert row["process"] == 0 and row["forward"] > 0 and row["all-reduce wait"] == 0
     short, result = train("cpu_gloo.py", tmp_path, "short", "--max_train_steps", "3", "--profile", data_dir=data_dir)
@@ -175,29 +184,32 @@ def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_di
     assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # MLflow's own use of SQLAlchemy, when the test makes the store
 def test_a_tracker_that_fails_mid_run_is_left_out_with_a_warning_and_the_run_trains_on(two_process_run, data_dir, tmp_path):
-    """A real MLflow store damaged once epoch 1 is recorded: its next log raises on the main process.
-    Before, that ended the run in MLflow's traceback with no model saved; now MLflow is left out with one
-    warning, TensorBoard beside it logs on, and the run ends as the untracked one, bitwise."""
+    """A real MLflow store (MLFLOW_TRACKING_URI, which wins over --output_dir's) that takes the run's start
+    and then refuses every metric, as a store damaged mid-run does: a trigger of its own raises on each
+    insert. Before, that ended the run in MLflow's traceback with no model saved; now MLflow is left out
+    with one warning, TensorBoard beside it logs on, and the run ends as the untracked one, bitwise. (This
+    test once damaged the file while the run trained: on a busy machine the run sometimes ended first.)"""
+    import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    store = tmp_path / "store.db"
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}").search_experiments()  # MLflow's own tables, made here
+    with contextlib.closing(sqlite3.connect(store)) as connection:
+        connection.execute("CREATE TRIGGER damaged BEFORE INSERT ON metrics BEGIN SELECT RAISE(ABORT, 'the store is damaged'); END")
+        connection.commit()
     output_dir = tmp_path / "tracked"
-    command = [python(), *script_command("cpu_gloo.py", "--output_dir", output_dir, "--num_epochs", "2", "--data_dir", data_dir,
-                                         "--with_tracking", "--report_to", "all", num_processes=2)[1:]]
-    with open(tmp_path / "stderr.txt", "w+") as stderr:
-        process = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.DEVNULL, stderr=stderr)
-        records = output_dir / "metrics.jsonl"
-        while process.poll() is None and not (records.exists() and records.read_text()):  # epoch 2 takes 32 steps more
-            time.sleep(0.005)
-        with open(output_dir / "mlflow.db", "r+b") as store:  # in place, under the connections MLflow holds open
-            store.write(b"\xff" * 16384)
-        assert process.wait(timeout=TIMEOUT) == 0
-        stderr.seek(0)
-        said = stderr.read()
+    result = run(script_command("cpu_gloo.py", "--output_dir", output_dir, "--num_epochs", "2", "--data_dir", data_dir,
+                                "--with_tracking", "--report_to", "all", num_processes=2),
+                 cwd=tmp_path, env={**script_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{store}"})
+    said = result.stderr
     assert "Traceback" not in said
-    assert said.count("warning: the mlflow tracker failed ((sqlite3.DatabaseError) file is not a database): the run goes on "
-                      "without it, and metrics.jsonl keeps every epoch's record.") == 1, said[-3000:]
-    assert said.count("warning: ") == 1, "said once, though end_training would call its finish() too"
+    warnings = [line for line in said.splitlines() if line.startswith("warning: ")]  # said once, though end_training calls finish() too
+    assert len(warnings) == 1 and warnings[0].startswith("warning: the mlflow tracker failed (") and warnings[0].endswith(
+        "): the run goes on without it, and metrics.jsonl keeps every epoch's record."), said[-3000:]
+    with contextlib.closing(sqlite3.connect(store)) as connection:
+        assert connection.execute("SELECT COUNT(*) FROM runs").fetchone() == (1,), "the run started in this store"
     assert [record["world_size"] for record in read_metrics(output_dir)] == [2, 2]
     assert_same_weights(weights(two_process_run), weights(output_dir))
     events = EventAccumulator(str(next((output_dir / "tensorboard").iterdir()))).Reload()
