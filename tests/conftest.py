@@ -204,6 +204,22 @@ def small_disk(folder, size):
         subprocess.run(["umount", folder])
 
 
+PAUSE_PROBE = Path(__file__).resolve().parent / "probes" / "pause_at_step.py"
+
+
+def paused_at(steps, folder, ranks=None, script="cpu_gloo.py"):
+    """The environment in which tests/probes/pause_at_step.py, run in a script's place, pauses `script`
+    after each optimizer step of `steps` on `ranks` (all if None), once, until each is signalled or
+    folder/go appears; each paused process writes folder/paused_<rank>_at_<step>."""
+    return {"PAUSE_SCRIPT": str(SCRIPTS / script), "PAUSE_AT_STEP": ",".join(map(str, steps)), "PAUSE_DIR": str(folder),
+            **({"PAUSE_RANKS": ",".join(map(str, ranks))} if ranks else {})}
+
+
+def all_paused(folder, ranks, step):
+    """Whether each of `ranks` has paused after `step` (paused_at)."""
+    return all((folder / f"paused_{rank}_at_{step}").exists() for rank in ranks)
+
+
 def data_flags(script, data_dir):
     """--data_dir for the scripts that read a data set; toy_mlp has its rows built in and takes none."""
     return [] if script == "toy_mlp.py" else ["--data_dir", data_dir]

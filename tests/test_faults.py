@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, SCRIPTS, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -35,18 +35,17 @@ FLAGS = ["--batch_size", "8", "--num_epochs", "12", "--checkpointing_steps", "50
 KILL_DEADLINE_S = 30
 
 
-def training_command(num_processes, *args):
+def training_command(num_processes, *args, script=SCRIPTS / "cpu_gloo.py"):
     if num_processes == 1:
-        return python_command("cpu_gloo.py", *args)
-    return [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes,
-            SCRIPTS / "cpu_gloo.py", *args]
+        return [sys.executable, script, *args]
+    return [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes, script, *args]
 
 
 def rank_process(launcher, rank):
     """The training process of `rank` among the launcher's descendants (the launcher itself for 1 process)."""
     for process in [*launcher.children(recursive=True), launcher]:  # a launcher's own RANK is unset: its workers first
         try:
-            if process.environ().get("RANK", "0") == str(rank) and "cpu_gloo.py" in " ".join(process.cmdline()):
+            if process.environ().get("RANK", "0") == str(rank) and any(name in " ".join(process.cmdline()) for name in ("cpu_gloo.py", PAUSE_PROBE.name)):
                 return process
         except psutil.Error:
             continue
@@ -74,17 +73,20 @@ def assert_ends_like(reference, resumed):
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, small_data, reference, tmp_path):
+    """The last rank (rank 0 for 1 process) is SIGKILLed after step 160, where it waits
+    (tests/probes/pause_at_step.py) so that the kill lands there however busy the machine: the job ends,
+    the checkpoint of step 150 is the newest, and the resume from it ends bitwise as a run never killed."""
     args = ["--data_dir", small_data, *FLAGS]
     reference = reference(num_processes)
 
-    killed = tmp_path / "killed"
-    job = subprocess.Popen([str(c) for c in training_command(num_processes, "--output_dir", killed, *args)],
-                           cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, victim_rank = tmp_path / "killed", num_processes - 1
+    job = subprocess.Popen([str(c) for c in training_command(num_processes, "--output_dir", killed, *args, script=PAUSE_PROBE)], cwd=tmp_path,
+                           env={**script_env(), **paused_at([160], tmp_path, [victim_rank])}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while latest_checkpoint(killed / "checkpoints") is None or len(list((killed / "checkpoints").iterdir())) < 3:
+    while not all_paused(tmp_path, [victim_rank], 160):  # the others wait for it in the step's check for a signal
         assert job.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.05)
-    victim = rank_process(psutil.Process(job.pid), num_processes - 1)  # the last rank; rank 0 for 1 process
+    victim = rank_process(psutil.Process(job.pid), victim_rank)
     victim.kill()
     killed_at = time.monotonic()
     try:
@@ -99,7 +101,7 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
     assert not (killed / "model.safetensors").exists(), "killed before the end"
 
     newest = latest_checkpoint(killed / "checkpoints")
-    assert read_state(newest)["global_step"] % 50 == 0
+    assert read_state(newest)["global_step"] == 150
     run(training_command(num_processes, "--output_dir", killed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert_ends_like(reference, killed)
 

@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, checkpoints_in, free_port, latest_checkpoint, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, free_port, latest_checkpoint, paused_at, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -28,10 +28,10 @@ FLAGS = ["--batch_size", "8", "--num_epochs", "8", "--log_interval", "1000"]
 GRACE_S = 30  # torchrun's wait between passing SIGTERM on and killing
 
 
-def launch(*args, num_processes=2, launcher_flags=()):
+def launch(*args, num_processes=2, launcher_flags=(), script=SCRIPTS / "cpu_gloo.py"):
     """python scripts/launch.py --config_file cpu.yaml --num_processes N [launcher flags] cpu_gloo.py ..."""
     return [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes,
-            *launcher_flags, SCRIPTS / "cpu_gloo.py", *args]
+            *launcher_flags, script, *args]
 
 
 def launch_one_process(*args):
@@ -39,8 +39,8 @@ def launch_one_process(*args):
     return [sys.executable, SCRIPTS / "launch.py", "--cpu", "--num_processes", 1, SCRIPTS / "cpu_gloo.py", *args]
 
 
-def start(command, cwd):
-    return subprocess.Popen([str(part) for part in command], cwd=cwd, env=script_env(), stdout=subprocess.PIPE,
+def start(command, cwd, env=None):
+    return subprocess.Popen([str(part) for part in command], cwd=cwd, env=env or script_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -48,7 +48,7 @@ def training_process(job, rank):
     """The training process of `rank` among the launcher's descendants (never the launcher itself)."""
     for process in psutil.Process(job.pid).children(recursive=True):
         try:
-            if process.environ().get("RANK") == str(rank) and "cpu_gloo.py" in " ".join(process.cmdline()):
+            if process.environ().get("RANK") == str(rank) and any(name in " ".join(process.cmdline()) for name in ("cpu_gloo.py", PAUSE_PROBE.name)):
                 return process
         except psutil.Error:
             continue
@@ -93,14 +93,16 @@ def finish(job, timeout):
 def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, small_data, tmp_path):
     """SIGTERM to the launcher (as `kill` on the job, or SLURM, sends it), or SLURM's SIGUSR1 to one rank:
     every process stops after the same step, a checkpoint of it is saved, the job exits non-zero within
-    torchrun's grace period, and rank 0 says where it stopped."""
+    torchrun's grace period, and rank 0 says where it stopped. The run waits for the signal after step 70
+    (tests/probes/pause_at_step.py), so that the signal reaches it inside epoch 2 however busy the machine."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]  # no scheduled save before the end
     reference = tmp_path / "reference"
     run(launch("--output_dir", reference, *args), cwd=tmp_path)
 
     stopped = tmp_path / "stopped"
-    job = start(launch("--output_dir", stopped, *args), tmp_path)
-    wait_until(epochs_done(stopped), job, "its first epoch")
+    ranks = [0, 1] if target == "launcher" else [1]  # rank 0 waits for rank 1 in the step's check for a signal
+    job = start(launch("--output_dir", stopped, *args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path, ranks)})
+    wait_until(lambda: all_paused(tmp_path, ranks, 70), job, "the pause after step 70")
     receiver = psutil.Process(job.pid) if target == "launcher" else training_process(job, 1)
     receiver.send_signal(stop_signal)
     signalled_at = time.monotonic()
@@ -110,7 +112,7 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     (line,) = [line for line in stderr.splitlines() if "Stopped by a signal to stop" in line]
     saved = latest_checkpoint(stopped / "checkpoints")
     assert line == f"Stopped by a signal to stop: saved {saved} after step {int(saved.name[5:])}; continue with --resume_from_checkpoint latest."
-    assert int(saved.name[5:]) % 10 == 0 and not (stopped / "model.safetensors").exists()
+    assert saved.name == "step_00000070" and not (stopped / "model.safetensors").exists()
     assert "Traceback" not in stderr
 
     run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
@@ -206,12 +208,13 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_
     run(launch("--output_dir", reference, *args), cwd=tmp_path)
 
     restarted = tmp_path / "restarted"
-    job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"]), tmp_path)
-    for kill_after_step in (60, 200):  # in epoch 1, then in epoch 4 after the first restart resumed (512 steps in all)
-        wait_until(lambda: (newest := latest_checkpoint(restarted / "checkpoints")) and int(newest.name[5:]) >= kill_after_step,
-                   job, f"step {kill_after_step}")
-        victim = training_process(job, random.randrange(2))
-        victim.kill()
+    # Both processes wait after steps 70 and 210 (tests/probes/pause_at_step.py), where one is killed:
+    # in epoch 2, then in epoch 4 after the first restart resumed (512 steps in all), however busy the machine.
+    job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"], script=PAUSE_PROBE), tmp_path,
+                env={**script_env(), **paused_at([70, 210], tmp_path)})
+    for kill_after_step in (70, 210):
+        wait_until(lambda: all_paused(tmp_path, (0, 1), kill_after_step), job, f"the pause after step {kill_after_step}")
+        training_process(job, random.randrange(2)).kill()
     stdout, stderr = finish(job, 240)
     assert job.returncode == 0, stderr[-3000:]
     # (A progress bar cut short by the kill may stand before a line on the same terminal row.)
@@ -293,18 +296,18 @@ def enter(namespace):
     return ["nsenter", f"--net=/run/netns/{namespace}"]
 
 
-def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch")):
+def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch"), script=SCRIPTS / "cpu_gloo.py"):
     """One machine's launch, inside its namespace: rank 0's host is the rendezvous; gloo uses the veth."""
     namespace, device, _, fork_server_dir = hosts[machine_rank]
     return [*enter(namespace), "env", f"GLOO_SOCKET_IFNAME={device}", f"FORK_SERVER_DIR={fork_server_dir}",
             *[f"{name}={value}" for name, value in HOST_ENV.items()], sys.executable, *launcher,
             "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2", "--machine_rank", machine_rank,
-            "--main_process_ip", hosts[0][2], "--main_process_port", port, SCRIPTS / "cpu_gloo.py", *args]
+            "--main_process_ip", hosts[0][2], "--main_process_port", port, script, *args]
 
 
-def start_machines(hosts, cwd, *args, **launch):
+def start_machines(hosts, cwd, *args, env=None, **launch):
     port = free_port()
-    return [start(machine_command(hosts, rank, port, *args, **launch), cwd) for rank in (0, 1)]
+    return [start(machine_command(hosts, rank, port, *args, **launch), cwd, env) for rank in (0, 1)]
 
 
 def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, small_data, tmp_path):
@@ -333,9 +336,13 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     cut = tmp_path / "cut"
     timeout_s = 10
     cut_args = [*args, "--checkpointing_steps", "20", "--ddp_timeout", str(timeout_s)]
-    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, launcher=(SCRIPTS / "launch.py",))
-    wait_until(lambda: latest_checkpoint(cut / "checkpoints") is not None, machines[0], "its first checkpoint")
+    # Both processes wait after step 30, past the first checkpoint, while the link goes (tests/probes/pause_at_step.py).
+    (tmp_path / "cut_pause").mkdir()
+    machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, launcher=(SCRIPTS / "launch.py",), script=PAUSE_PROBE,
+                              env={**script_env(), **paused_at([30], tmp_path / "cut_pause")})
+    wait_until(lambda: all_paused(tmp_path / "cut_pause", (0, 1), 30), machines[0], "the pause after step 30")
     ip("link", "set", hosts[0][1], "down", namespace=hosts[0][0])
+    (tmp_path / "cut_pause" / "go").touch()
     cut_at = time.monotonic()
     for machine in machines:
         _, stderr = finish(machine, timeout_s + 60)
@@ -355,9 +362,11 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     # --max_restarts across the two hosts: a process on the second host is killed, both hosts
     # restart their processes, which resume from the newest checkpoint and finish the run.
     restarted = tmp_path / "restarted"
+    (tmp_path / "restart_pause").mkdir()
     machines = start_machines(hosts, tmp_path, "--output_dir", restarted, *args, "--checkpointing_steps", "20",
-                              "--resume_from_checkpoint", "latest", launcher=(SCRIPTS / "launch.py", "--max_restarts", "2"))
-    wait_until(lambda: (newest := latest_checkpoint(restarted / "checkpoints")) and int(newest.name[5:]) >= 60, machines[1], "step 60")
+                              "--resume_from_checkpoint", "latest", launcher=(SCRIPTS / "launch.py", "--max_restarts", "2"),
+                              script=PAUSE_PROBE, env={**script_env(), **paused_at([70], tmp_path / "restart_pause")})
+    wait_until(lambda: all_paused(tmp_path / "restart_pause", (0, 1), 70), machines[1], "the pause after step 70")
     training_process(machines[1], 1).kill()  # global rank 1: the second host's process
     outputs = [finish(machine, 240) for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]

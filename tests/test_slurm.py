@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, REPO, SCRIPTS, launch_command, new_interpreter_env, read_metrics, run
+from conftest import CONFIGS, PAUSE_PROBE, REPO, SCRIPTS, all_paused, launch_command, new_interpreter_env, paused_at, read_metrics, run
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -123,7 +123,9 @@ def slurm():
             Path("/run/munge").mkdir(exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             started.append(subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "-F"], start_new_session=True))
-            time.sleep(1)
+            deadline = time.monotonic() + 30  # munged answers before slurmctld, which needs it, starts
+            while not munge_works() and time.monotonic() < deadline:
+                time.sleep(0.2)
         started.append(subprocess.Popen(["slurmctld", "-D", "-f", folder / "slurm.conf"], env=env, start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for namespace, name, _ in nodes:  # its jobs run in its namespaces too: its name, address and /etc/hosts
@@ -173,12 +175,14 @@ def job_state(job_id, env):
 
 
 def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resumes_bitwise(slurm, tmp_path):
+    """The job's processes wait for the signal after step 80, inside epoch 2 (tests/probes/pause_at_step.py
+    around cpu_gloo.py), so that it reaches them before the run ends however busy the machine."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
     env = {**new_interpreter_env(), **slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(SCRIPTS / "cpu_gloo.py"),
+           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80], tmp_path),
            "LAUNCHER": str(SCRIPTS / "launch.py")}
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--nodes=2", f"--cpus-per-task={os.cpu_count()}", "--gpus-per-node=0", f"--chdir={tmp_path}",
@@ -187,7 +191,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     job_id = submitted.stdout.strip().split(";")[0]
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
     deadline = time.monotonic() + 180
-    while not ((output_dir / "metrics.jsonl").exists() and read_metrics(output_dir)):
+    while not all_paused(tmp_path, (0, 1), 80):
         assert time.monotonic() < deadline and job_state(job_id, slurm.env)[0] in ("PENDING", "RUNNING"), job_state(job_id, slurm.env)
         time.sleep(0.2)
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
@@ -202,6 +206,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     saved = [line for line in log.splitlines() if line.startswith("Stopped by a signal to stop: saved ")]
     assert len(saved) == 1, log[-3000:]
     checkpoint = saved[0].split("saved ")[1].split(" after")[0]
+    assert checkpoint.endswith("step_00000080"), "the step the processes reached when the signal came"
     assert "requeueing the job, which resumes from it" in log
     resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
     assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"

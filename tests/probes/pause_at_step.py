@@ -1,0 +1,51 @@
+"""Runs the training script PAUSE_SCRIPT, paused after each optimizer step in PAUSE_AT_STEP (comma-separated)
+on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
+appears in PAUSE_DIR. Pausing, each writes PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds
+its file there already (restarted, it passes the step again) goes on. A test that acts on a run (a
+signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that
+acts once epoch 1 is recorded can find the run already ended. Pausing changes no arithmetic: the weights
+stay bitwise those of a run that never paused. Each step is a multiple of Preemption.CHECK_EVERY, so
+the processes check for a signal right after it.
+
+    PAUSE_SCRIPT=scripts/cpu_gloo.py PAUSE_AT_STEP=70 PAUSE_DIR=/tmp/run python tests/probes/pause_at_step.py --output_dir ...
+"""
+
+import os
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from shared.preemption import Preemption
+
+SCRIPT = os.environ["PAUSE_SCRIPT"]
+AT_STEPS = [int(step) for step in os.environ["PAUSE_AT_STEP"].split(",")]
+FOLDER = Path(os.environ["PAUSE_DIR"])
+RANKS = os.environ.get("PAUSE_RANKS")
+assert all(step % Preemption.CHECK_EVERY == 0 for step in AT_STEPS), "pause where the processes check for a signal"
+signalled = threading.Event()
+original_set_trigger, original_stop_agreed = Accelerator.set_trigger, Preemption.stop_agreed
+
+
+def set_trigger(self):  # what preemption's handler of SIGTERM and SIGUSR1 calls
+    signalled.set()
+    original_set_trigger(self)
+
+
+def stop_agreed(self, step):
+    rank = os.environ.get("RANK", "0")
+    marker = FOLDER / f"paused_{rank}_at_{step}"
+    if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
+        marker.touch()
+        while not signalled.is_set() and not (FOLDER / "go").exists():
+            time.sleep(0.01)
+    return original_stop_agreed(self, step)
+
+
+Accelerator.set_trigger, Preemption.stop_agreed = set_trigger, stop_agreed
+sys.argv = [SCRIPT, *sys.argv[1:]]
+sys.path[0] = str(Path(SCRIPT).resolve().parent)  # the script's own folder, as `python script.py` has it
+runpy.run_path(SCRIPT, run_name="__main__")
