@@ -15,8 +15,6 @@ from shared.errors import UserError, end_in_its_sentence, exit_now
 def in_notebook(main):
     """main, for notebook_launcher, which every process it starts calls: a UserError ends in its one
     sentence, as under errors.run_main, not in a traceback of every process; the cell then ends."""
-    _hold_the_output_locks_across_forks()
-
     def run(*args):
         try:
             main(*args)
@@ -28,20 +26,6 @@ def in_notebook(main):
 
 
 _held = threading.local()  # by the thread that forks: two threads may fork at once
-_forks_hold_the_output_locks = False
-
-
-def _hold_the_output_locks_across_forks():
-    """notebook_launcher forks the kernel, whose sys.stdout and sys.stderr (ipykernel's) guard their
-    buffer with a lock that the kernel's IOPub thread takes to send what was printed. A fork in that
-    moment leaves the lock held in the child for good, and that process hangs at its first print (in a
-    kernel that forked 40 times while a thread printed, 16 children hung). Holding the locks across each
-    fork, as the logging module does for its own, gives every child free ones."""
-    global _forks_hold_the_output_locks
-    if not _forks_hold_the_output_locks:  # once: a hook stays registered for the kernel's life
-        os.register_at_fork(before=_take_the_output_locks, after_in_parent=_give_back_the_output_locks,
-                            after_in_child=_give_back_the_output_locks)
-        _forks_hold_the_output_locks = True
 
 
 def _take_the_output_locks():
@@ -55,3 +39,12 @@ def _take_the_output_locks():
 def _give_back_the_output_locks():
     while _held.locks:
         _held.locks.pop().release()
+
+
+# notebook_launcher forks the kernel, whose sys.stdout and sys.stderr (ipykernel's) guard their buffer with
+# a lock that the kernel's IOPub thread takes to send what was printed. A fork in that moment leaves the
+# lock held in the child for good, and that process hangs at its first print (in a kernel that forked 40
+# times while a thread printed, 16 children hung). Holding the locks across each fork, as the logging
+# module does for its own, gives every child free ones: from the import on, once per kernel.
+os.register_at_fork(before=_take_the_output_locks, after_in_parent=_give_back_the_output_locks,
+                    after_in_child=_give_back_the_output_locks)

@@ -207,11 +207,11 @@ def small_disk(folder, size):
 PAUSE_PROBE = Path(__file__).resolve().parent / "probes" / "pause_at_step.py"
 
 
-def paused_at(steps, folder, ranks=None, script="cpu_gloo.py"):
-    """The environment in which tests/probes/pause_at_step.py, run in a script's place, pauses `script`
+def paused_at(steps, folder, ranks=None):
+    """The environment in which tests/probes/pause_at_step.py, run in a script's place, pauses cpu_gloo.py
     after each optimizer step of `steps` on `ranks` (all if None), once, until each is signalled or
     folder/go appears; each paused process writes folder/paused_<rank>_at_<step>."""
-    return {"PAUSE_SCRIPT": str(SCRIPTS / script), "PAUSE_AT_STEP": ",".join(map(str, steps)), "PAUSE_DIR": str(folder),
+    return {"PAUSE_SCRIPT": str(SCRIPTS / "cpu_gloo.py"), "PAUSE_AT_STEP": ",".join(map(str, steps)), "PAUSE_DIR": str(folder),
             **({"PAUSE_RANKS": ",".join(map(str, ranks))} if ranks else {})}
 
 

@@ -164,15 +164,14 @@ notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run
         f"error: --output_dir {tmp_path / 'run'} already holds a run: choose another --output_dir."], stderr
 
 
-
 def test_a_notebook_launch_forks_processes_that_can_print_while_the_kernel_prints(tmp_path):
     """ipykernel's IOPub thread takes sys.stdout's lock to send what was printed; a process that
-    notebook_launcher forks in that moment would hang at its first print. After in_notebook(), the
-    kernel's forks wait for the lock: 20 forks while a thread prints, each child prints and exits."""
+    notebook_launcher forks in that moment would hang at its first print. Once shared.notebook is
+    imported, the kernel's forks wait for the lock: 20 forks while a thread prints, each child prints
+    and exits."""
     cell = f"""
 import os, sys, threading, time
-from shared.notebook import in_notebook
-in_notebook(print)
+import shared.notebook  # as the cell that imports in_notebook does
 printing = True
 def print_all_the_time():
     while printing:
