@@ -268,10 +268,13 @@ def named_checkpoint(path):
             "or 'latest', or evaluate a model file with --eval_only.")
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
-    if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
-        raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
     try:
+        if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
+            raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
         json.loads((path / STATE_FILE).read_text())
+    except PermissionError as error:  # another user's folder, which this one may see but not enter
+        raise UserError(f"Checkpoint {path} could not be read ({first_line(error)}): give yourself read access to it, "
+                        "or copy it to a folder you can read.") from None
     except (OSError, ValueError) as error:
         raise UserError(f"Checkpoint {path} is incomplete or corrupt ({first_line(error)}): resume from an earlier one.") from None
     return str(path)

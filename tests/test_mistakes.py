@@ -325,3 +325,38 @@ def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):
         result = run(command, cwd=place, check=False, env=env)
         assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr, result.stderr[-2000:]
         assert result.stderr.splitlines()[-1] == "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
+def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, tmp_path):
+    """A colleague's drwx------ checkpoint: the folder is seen, but what it holds cannot be read. The
+    script runs without the capabilities that let root read any folder (setpriv), as an ordinary user would."""
+    locked = tmp_path / "colleague" / "step_00000004"
+    shutil.copytree(checkpoint_of(place, "earlier"), locked)
+    locked.chmod(0o000)
+    no_root_reading = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
+    try:
+        result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", locked, output=tmp_path / "mine"), cwd=tmp_path, check=False)
+    finally:
+        locked.chmod(0o755)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"error: Checkpoint {locked} could not be read ([Errno 13] Permission denied: '{locked / 'checkpoints'}'): give yourself "
+        "read access to it, or copy it to a folder you can read."]
+    assert not (tmp_path / "mine").exists()
+
+
+def test_a_checkpoint_through_a_linked_checkpoints_folder_continues_its_run(place, tmp_path):
+    """<output_dir>/checkpoints may be a link to other storage: a checkpoint named through it continues
+    the run, and --overwrite_output_dir (which replaces another run) deletes none of this run's records."""
+    run_dir = tmp_path / "linked"
+    shutil.copytree(place / "preempted", run_dir)  # epoch checkpoints after epochs 1 and 2, its model not saved yet
+    shutil.move(run_dir / "checkpoints", tmp_path / "scratch")
+    (run_dir / "checkpoints").symlink_to(tmp_path / "scratch")
+    first_epoch = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
+    result = run(cpu_gloo(place, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--overwrite_output_dir",
+                          "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000004", output=run_dir), cwd=tmp_path)
+    assert "Resumed from" in result.stdout, result.stdout[-2000:]
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 2 and records[0] == first_epoch, "epoch 1's record kept, epoch 2 trained again"
+    assert (run_dir / "model.safetensors").exists() and (tmp_path / "scratch" / "abandoned_step_00000008").is_dir()
