@@ -98,6 +98,7 @@ class Checkpoints:
         state = {name: value for name, value in dataclasses.asdict(position).items() if name != "path"} | {
             "world_size": self.accelerator.num_processes, "batch_size": self.batch_size,
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
+            "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
             "batches_per_epoch": self.batches_per_epoch, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         if final.exists():
@@ -179,8 +180,11 @@ class Checkpoints:
         global_batch = batch * self.accelerator.gradient_accumulation_steps
         if state["samples_done"] % global_batch:
             saved = state["world_size"] * state["batch_size"]
-            same_steps = (f"--batch_size {saved} (its steps of {saved})" if split_batches else
-                          f"{state['world_size']} processes and --batch_size {state['batch_size']} (its steps of {saved})")
+            accumulation = state.get("gradient_accumulation_steps", 1)  # not recorded before 2026-11-26
+            flags = [f"--batch_size {saved}"] if split_batches else [f"{state['world_size']} processes", f"--batch_size {state['batch_size']}"]
+            if accumulation > 1 or self.accelerator.gradient_accumulation_steps > 1:  # a step is that many batches
+                flags.append(f"--gradient_accumulation_steps {accumulation}")
+            same_steps = " and ".join([", ".join(flags[:-1]), flags[-1]] if len(flags) > 1 else flags) + f" (its steps of {saved * accumulation})"
             if split_batches and saved % self.accelerator.num_processes:  # nor would that batch split across this run's processes
                 same_steps += f" on a number of processes that divides {saved}, such as its {state['world_size']}"
             raise UserError(

@@ -208,6 +208,8 @@ def test_a_resume_at_another_process_count_falls_on_a_whole_optimizer_step(small
     refused = run(launch_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000003",
                                  num_processes=4), cwd=tmp_path, check=False)
     assert refused.returncode == 1 and "stopped 96 samples into epoch 1, which is not a whole number of this run's steps of 64 samples" in refused.stderr
+    assert "resume with 2 processes, --batch_size 8 and --gradient_accumulation_steps 2 (its steps of 32), or from an epoch checkpoint." \
+        in refused.stderr, "the advice names every flag that makes up the checkpoint's step"
 
 
 def test_a_resume_that_is_refused_sets_no_checkpoint_aside(small_data, tmp_path):
