@@ -11,9 +11,11 @@ A process blocked in a collective that never completes (a peer gone or stuck) ne
 signal handlers, which wait for the main thread. A thread of its own wakes at the signal instead
 (Python's C-level handler writes the signal's number to the wakeup fd even then) and, when the main
 thread has stood at the same line for GRACE_S seconds since (evaluating, it moves on; blocked in C, it
-does not) and no stop was agreed, ends the process with one line, before torchrun kills it. Writing or
-reading a checkpoint or the model (safetensors writes a whole file in one C call), or waiting while
-another process does, may stand at one line up to BUSY_LIMIT_S instead: a slow save after a signal completes.
+does not), ends the process with one line, before torchrun kills it. It watches the save of an agreed
+stop too, whose peer can be lost as well: a machine gone mid-save would hold the others until
+--ddp_timeout. Writing or reading a checkpoint or the model (safetensors writes a whole file in one C
+call), or waiting while another process does, may stand at one line up to BUSY_LIMIT_S instead: a slow
+save after a signal completes.
 """
 
 import signal
@@ -54,7 +56,6 @@ class Preemption:
     def __init__(self, accelerator, enabled):
         self.accelerator = accelerator
         self.enabled = enabled
-        self.agreed = False
         if enabled:
             for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
@@ -63,15 +64,14 @@ class Preemption:
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
         steps it is a collective, accelerator.check_trigger()."""
-        self.agreed = self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
-        return self.agreed
+        return self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
 
     def _end_if_stuck(self, reader):
         while (signum := reader.recv(1)[0]) not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             pass
         what, exit_code = ("Ctrl-C", 128 + signal.SIGINT) if signum == signal.SIGINT else ("a signal to stop", STOPPED_EXIT_CODE)
         main, where, since = threading.main_thread().ident, None, time.monotonic()
-        while not self.agreed:
+        while True:  # until the process ends: after its save, an agreed stop ends it
             frame = sys._current_frames().get(main)
             here = (frame.f_code, frame.f_lineno) if frame else None
             limit = self.BUSY_LIMIT_S if self._busy(frame) else self.GRACE_S

@@ -395,9 +395,9 @@ def test_ctrl_c_to_a_process_stuck_in_a_collective_ends_it_as_ctrl_c(tmp_path):
 
 
 def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
-    """Once the processes agree to stop, the watchdog thread ends; a later signal (torchrun passes SIGTERM
-    on while they save) must not land in a file: Python writes its number to the wakeup fd, whose number a
-    closed socket would leave to the next file opened, a checkpoint's."""
+    """Once the watchdog thread has woken, it reads no more signal numbers; a later signal (torchrun passes
+    SIGTERM on while they save) must not land in a file: Python writes its number to the wakeup fd, whose
+    number a closed socket would leave to the next file opened, a checkpoint's."""
     code = """if True:
         import os, signal, sys, time, types
         from shared.preemption import Preemption
@@ -405,7 +405,7 @@ def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.3)
         assert preemption.stop_agreed(10)
-        time.sleep(1)  # the watchdog thread has ended
+        time.sleep(1)  # the watchdog thread now watches the main thread, not the socket
         files = [open(os.path.join(sys.argv[1], name), "wb") for name in ("a", "b")]
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.3)
@@ -426,5 +426,13 @@ def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
     assert sorted(path.name for path in (tmp_path / "slow").glob("saved_*")) == ["saved_0", "saved_1"]
     assert seconds > 3, "the save outlasted the grace"
     seconds, returncode, stderr = signal_the_probe_in_place(tmp_path / "stuck", "--stuck_save")
+    assert 10 < seconds < 25 and returncode == 143, stderr
+    assert stderr.count("10 s after a signal to stop, this process was still waiting on another") == 2, stderr
+
+
+def test_a_save_after_the_agreed_stop_whose_peer_is_lost_ends_at_the_limit(tmp_path):
+    """The processes agreed to stop, and save: a peer lost in that save (a machine gone, which closes no
+    connection) would hold them in its collective until --ddp_timeout; the watchdog ends them at BUSY_LIMIT_S."""
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path, "--stuck_save_once_agreed")
     assert 10 < seconds < 25 and returncode == 143, stderr
     assert stderr.count("10 s after a signal to stop, this process was still waiting on another") == 2, stderr

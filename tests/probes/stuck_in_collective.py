@@ -4,7 +4,9 @@ process writes `waiting` under its folder once it is in place, then waits for a 
 
 With --slow_save every process instead spends 6 s in one C call inside a function named save_state, as
 accelerator.save_state spends writing a large checkpoint (the probe assumes only that name and the
-one long call), then writes `saved`; with --stuck_save it stays there, as a save whose peer is lost would."""
+one long call), then writes `saved`; with --stuck_save it stays there, as a save whose peer is lost would;
+with --stuck_save_once_agreed the processes first agree on the stop (accelerator.check_trigger), as a
+training loop does, then stay in the save."""
 
 import sys
 import time
@@ -24,9 +26,13 @@ def save_state(seconds):
 def main():
     accelerator = Accelerator(cpu=cpu_only())
     Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 3, 10  # the tests' waits; training runs keep the defaults
-    Preemption(accelerator, enabled=True)
+    preemption = Preemption(accelerator, enabled=True)
     (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
-    if "--slow_save" in sys.argv or "--stuck_save" in sys.argv:
+    if "--stuck_save_once_agreed" in sys.argv:
+        while not preemption.stop_agreed(Preemption.CHECK_EVERY):  # a collective each time, until the signal has come
+            time.sleep(0.1)
+        save_state(600)
+    elif "--slow_save" in sys.argv or "--stuck_save" in sys.argv:
         save_state(6 if "--slow_save" in sys.argv else 600)  # past the probe's GRACE_S, within its BUSY_LIMIT_S; or never done
         (Path(sys.argv[1]) / f"saved_{accelerator.process_index}").write_text("saved")
     elif accelerator.is_main_process:
