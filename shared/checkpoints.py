@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -86,6 +87,8 @@ class Checkpoints:
                 if self.writes:
                     self._complete(partial, final, position)
             self.newest = final
+            if self.writes and self.keep:
+                self._prune()
         except UserError:
             if self.writes:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -104,9 +107,20 @@ class Checkpoints:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        if self.keep:
-            for old in checkpoints_in(self.folder)[:-self.keep]:
-                shutil.rmtree(old)
+
+    def _prune(self):
+        """All but the newest `keep` checkpoints go, each first renamed so that one half-deleted is no
+        checkpoint. One that cannot be deleted (another user's files, NFS's open .nfs files) stays with a
+        warning: the checkpoint just saved is complete whatever happens here, and the run goes on."""
+        for old in checkpoints_in(self.folder)[:-self.keep]:
+            pruned = old.with_name(f".pruned_{old.name}")
+            try:
+                old.rename(pruned)
+                shutil.rmtree(pruned)
+            except OSError as error:
+                left = pruned if pruned.exists() else old
+                print(f"warning: could not delete the old checkpoint {left} ({first_line(error)}): delete it yourself.",
+                      file=sys.stderr, flush=True)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a

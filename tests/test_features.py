@@ -143,6 +143,28 @@ def test_checkpoint_names_pruning_and_latest(data_dir, tmp_path):
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_00000080", "step_00000090"]
 
 
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
+def test_an_old_checkpoint_that_cannot_be_deleted_stays_with_a_warning(small_data, tmp_path):
+    """Pruning comes after the new checkpoint is complete: an old one that cannot be deleted (another
+    user's files, say) is left, renamed so that it is no checkpoint, with a warning, and the run goes on.
+    Before, the run stopped, saying that the complete new checkpoint could not be written. The run has no
+    root's reading and writing capabilities (setpriv), as an ordinary user would not."""
+    flags = ["--data_dir", small_data, "--batch_size", "128", "--checkpointing_steps", "2"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags, "--num_epochs", "1")  # 4 steps: step_2 and step_4
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved
+    (run_dir / "checkpoints" / "step_00000002").chmod(0o555)  # its files cannot be deleted
+    no_root_writing = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
+    try:
+        result = run(no_root_writing + python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--num_epochs", "2",
+                                                      "--keep_last_checkpoints", "1", "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    finally:
+        (run_dir / "checkpoints" / ".pruned_step_00000002").chmod(0o755)
+    assert result.stderr.count("warning: could not delete the old checkpoint") == 1, result.stderr  # renamed, it is no longer listed
+    assert f"{run_dir / 'checkpoints' / '.pruned_step_00000002'} ([Errno 13] Permission denied" in result.stderr
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [".pruned_step_00000002", "step_00000008"]
+    assert [record["epoch"] for record in read_metrics(run_dir)] == [1, 2] and (run_dir / "model.safetensors").exists()
+
+
 def test_a_record_cut_short_by_a_kill_is_left_out_and_the_run_resumes(small_data, tmp_path):
     """A run killed while it appended a record leaves half a line at the end of metrics.jsonl; the resume
     leaves it out, trains that epoch again and ends as the run that never stopped."""
