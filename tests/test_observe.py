@@ -51,6 +51,18 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
     assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in printed
 
 
+def test_the_step_table_leaves_out_the_steps_that_held_an_evaluation_or_no_training(small_data, tmp_path):
+    """The profiled window crosses an epoch's end (8 steps an epoch, steps 8 to 12 recorded): one step
+    also holds epoch 1's evaluation. A run that ends inside the window (--max_train_steps 10) leaves its
+    last span open, and torch closes it only at the end, around the evaluation and the save. Neither is
+    a training step: averaged in, they made the step look slower than it is."""
+    for name, flags, counted in (("across_an_epoch", ["--num_epochs", "2"], 4), ("ended_inside", ["--max_train_steps", "10"], 3)):
+        profiled, _ = train("cpu_gloo.py", tmp_path, name, "--batch_size", "64", "--profile", *flags, data_dir=small_data)
+        printed, (row,) = step_time_table(profiled / "profile", tmp_path)
+        assert (row["steps"], row["left out"]) == (counted, 1), row
+        assert f"over {counted} profiled training steps, 1 more left out that held an evaluation or no training" in printed
+
+
 def gpu_shaped_trace():
     """Two profiled steps of 10 ms in the shape Kineto writes with CUDA: each ProfilerStep#N on the host's
     main thread and again on the device's row (gpu_user_annotation); autograd's functions and DDP's
@@ -80,7 +92,7 @@ def test_the_step_table_of_a_gpu_trace_counts_each_step_once_and_reads_nccl_from
 
     row = step_time(gpu_shaped_trace())
     assert row == {"step": 10.0, "forward": 2.0, "backward": 3.5, "optimizer": 1.0, "data and loop": 3.5, "all-reduce wait": 1.5,
-                   "device busy": 8.5, "all-reduce under backward": 1.0, "steps": 2, "timeline": "device"}
+                   "device busy": 8.5, "all-reduce under backward": 1.0, "steps": 2, "left out": 0, "timeline": "device"}
 
 
 def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():

@@ -5,8 +5,10 @@
 prints a table with a row per process (every trace_rank<N>.json in the folder), in ms per step
 averaged over the recorded steps, and saves it as step_time.json beside the traces.
 
-Steps are the host's ProfilerStep#N annotations; on a GPU, Kineto repeats each on the device's rows
-(gpu_user_annotation), which mark where that step's kernels ran and are not counted again.
+Steps are the host's ProfilerStep#N annotations that trained one batch (one forward call of the model);
+one that also holds an evaluation (the window crossed an epoch's end) or none (the span open when the
+run ended, which torch closes only then) is left out and counted as such. On a GPU, Kineto repeats each
+step on the device's rows (gpu_user_annotation), which mark where its kernels ran and are not counted again.
 The host's phases, from each process's main thread (on a GPU: the time the host spent issuing them):
 - forward: the model's forward call; backward: from the first to the last of autograd's functions,
   on any thread (on a GPU autograd runs on a device thread of its own);
@@ -69,7 +71,7 @@ def step_time(trace):
     for event in (event for event in events if event.get("cat") == "gpu_user_annotation"):
         first, last = on_device.get(event["name"], (event["ts"], event["ts"] + event["dur"]))
         on_device[event["name"]] = (min(first, event["ts"]), max(last, event["ts"] + event["dur"]))
-    totals = {}
+    totals, left_out = {}, 0
     for step in steps:
         start, end = step["ts"], step["ts"] + step["dur"]
         inside = [event for event in host if start <= event["ts"] < end]
@@ -78,6 +80,11 @@ def step_time(trace):
         def total(prefix):
             return sum(event["dur"] for event in on_main if event["name"].startswith(prefix))
 
+        forwards = [event for event in on_main if event["name"] == "DistributedDataParallel.forward"] or [
+            event for event in on_main if event["name"] == "forward"]
+        if len(forwards) != 1:  # an evaluation's forwards too, or no training at all: not a training step
+            left_out += 1
+            continue
         backward = backward_span(inside) or (start, start)
         phases = {"forward": total("DistributedDataParallel.forward") or total("forward"), "backward": backward[1] - backward[0],
                   "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
@@ -99,15 +106,17 @@ def step_time(trace):
             hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], [backward]) for event in reduces)
         for name, value in {"step": step["dur"], **phases, "all-reduce under backward": hidden}.items():
             totals[name] = totals.get(name, 0.0) + value
-    row = {name: round(value / max(len(steps), 1) / 1000, 3) for name, value in totals.items()}
-    return row | {"steps": len(steps), "timeline": "device" if kernels else "host"}
+    counted = len(steps) - left_out
+    row = {name: round(value / max(counted, 1) / 1000, 3) for name, value in totals.items()}
+    return row | {"steps": counted, "left out": left_out, "timeline": "device" if kernels else "host"}
 
 
 def table(rows, folder):
     """The rows of step_time as a table, one line per process."""
     columns = ("step",) + HOST_PHASES + ("all-reduce under backward",) + (("device busy",) if "device busy" in rows[0] else ())
-    lines = [f"Where a step's time went, ms per step over {rows[0]['steps']} profiled steps (traces in {folder}; the "
-             f"all-reduce columns from the {rows[0]['timeline']} timeline):",
+    left_out = f", {rows[0]['left out']} more left out that held an evaluation or no training" if rows[0]["left out"] else ""
+    lines = [f"Where a step's time went, ms per step over {rows[0]['steps']} profiled training steps{left_out} (traces in {folder}; "
+             f"the all-reduce columns from the {rows[0]['timeline']} timeline):",
              "| process | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     lines += [f"| {row['process']} | " + " | ".join(f"{row[name]:.2f}" for name in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -132,9 +141,12 @@ def main():
     traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
     rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(read_trace(path))} for path in traces]
     if not rows or not all(row["steps"] for row in rows):
-        sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded step: pass the profile folder of a run "
+        sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded training step: pass the profile folder of a run "
                  "trained with --profile long enough to record its steps.")
-    (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
+    try:
+        (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
+    except OSError as error:
+        sys.exit(f"error: {folder / 'step_time.json'} could not be written ({error}): make the folder writable, or copy it to one that is.")
     print(table(rows, folder))
 
 
