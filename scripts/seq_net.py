@@ -163,7 +163,7 @@ def main(argv=None):
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)
     # Every process: a tracker that fails to start stops all; one that fails later warns and is left out, not the run.
     if args.with_tracking:
-        with tracking.starting(accelerator, output_dir, args.report_to) as init_kwargs:
+        with tracking.starting(accelerator, output_dir, args.report_to, start) as init_kwargs:
             accelerator.init_trackers("seq_net", config=tracking.hyperparameters(vars(args)), init_kwargs=init_kwargs)
     # Every process, now that nothing refuses the resume: the run goes on from the checkpoint, its later
     # checkpoints set aside and only the records of the epochs before it kept.

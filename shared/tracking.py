@@ -30,11 +30,12 @@ def project_config(output_dir):
 
 
 @contextlib.contextmanager
-def starting(accelerator, output_dir, report_to):
+def starting(accelerator, output_dir, report_to, start):
     """Every process must enter this, around accelerator.init_trackers(..., init_kwargs=<what it gives>),
     which starts the trackers on the main process alone. MLflow's runs and artifacts go under output_dir
     (accelerate's MLflow tracker would use ./mlruns of wherever the run started; a MLFLOW_TRACKING_URI you
-    set wins). A tracker that fails to start (a server down, a store it cannot make) stops every process
+    set wins). TensorBoard drops the epochs from `start` (a checkpoints.Position) on that the run a resume
+    continues had logged, as metrics.jsonl drops their records: its curves then hold each epoch once. A tracker that fails to start (a server down, a store it cannot make) stops every process
     with one sentence, not a traceback on one and a wait on the others; the trackers started before it
     are closed, and the stores they made in output_dir removed (a resumed run's stay). One that fails
     later is left out with a warning (_left_out_if_failing), not the run; one whose package the main
@@ -47,7 +48,7 @@ def starting(accelerator, output_dir, report_to):
     there_before = [store.exists() for store in stores]
     error = None
     try:
-        yield {"mlflow": {"logging_dir": str(output_dir / MLFLOW_ARTIFACTS)}}
+        yield {"mlflow": {"logging_dir": str(output_dir / MLFLOW_ARTIFACTS)}, "tensorboard": {"purge_step": start.epoch}}
     except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
         error = (f"--report_to {report_to or 'tensorboard'} could not start its tracker ({first_line(failure)}): fix what it "
                  "names (MLFLOW_TRACKING_URI, where you set it), or train without --with_tracking.")

@@ -196,6 +196,22 @@ def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_di
     assert [event.value for event in events.Scalars("peak_memory_mb")] == pytest.approx([r["peak_memory_mb"] for r in read_metrics(tracked)])
 
 
+def test_a_resumed_run_logs_each_epoch_once_to_tensorboard(small_data, tmp_path):
+    """A resume from epoch 1's checkpoint trains epoch 2 again: TensorBoard drops the abandoned epoch 2, as
+    metrics.jsonl does, so that its curve holds each epoch once, with the records' values (before, it read
+    epochs 1, 2, 2, 3: the abandoned run's and the resumed run's mixed)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--with_tracking", "--checkpointing_steps", "epoch", "--batch_size", "64"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--num_epochs", "2", *flags, data_dir=small_data)
+    train("cpu_gloo.py", tmp_path, "run", "--num_epochs", "3", *flags, "--resume_from_checkpoint",
+          run_dir / "checkpoints" / "step_00000008", data_dir=small_data)  # 8 steps an epoch: after epoch 1
+    events = EventAccumulator(str(next((run_dir / "tensorboard").iterdir()))).Reload()
+    records = read_metrics(run_dir)
+    assert [event.step for event in events.Scalars("eval_loss")] == [record["epoch"] for record in records] == [1, 2, 3]
+    assert [event.value for event in events.Scalars("eval_loss")] == pytest.approx([record["eval_loss"] for record in records])
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # MLflow's own use of SQLAlchemy, when the test makes the store
 def test_a_tracker_that_fails_mid_run_is_left_out_with_a_warning_and_the_run_trains_on(two_process_run, data_dir, tmp_path):
     """A real MLflow store (MLFLOW_TRACKING_URI, which wins over --output_dir's) that takes the run's start
@@ -236,6 +252,7 @@ def test_a_tracker_whose_package_the_main_process_lacks_is_named_not_left_out(mo
     import socket
 
     from shared import tracking
+    from shared.checkpoints import Position
     from shared.errors import UserError
 
     monkeypatch.setattr(tracking, "is_mlflow_available", lambda: False)
@@ -243,7 +260,7 @@ def test_a_tracker_whose_package_the_main_process_lacks_is_named_not_left_out(mo
     main_process = SimpleNamespace(is_main_process=True, trackers=[])
     with pytest.raises(UserError, match=rf"^--report_to mlflow needs the mlflow package, which is not installed on "
                        rf"{socket.gethostname()}, the main process's machine: pip install mlflow there, or train without --with_tracking\.$") as stop:
-        with tracking.starting(main_process, tmp_path, "all"):
+        with tracking.starting(main_process, tmp_path, "all", Position()):
             pytest.fail("no tracker starts")
     assert stop.value.every_process
     assert not any(tmp_path.iterdir()), "no tracker's store was made"
