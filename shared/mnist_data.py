@@ -19,6 +19,7 @@ from shared.errors import UserError, first_line, make_folders, remove_if_run_fai
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 # Mean and standard deviation of the training pixels, after ToTensor has scaled them to [0, 1].
 PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
+NUM_CLASSES = 10  # in both
 
 
 def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True):
@@ -44,11 +45,17 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
         splits = [_read_raw(name, raw_folder, prefix) for prefix in ("train", "t10k")]
     else:
         splits = [_download(name, data_dir, raw_folder, train, transform, download) for train in (True, False)]
-    for split in splits:  # image and label files of different copies would pair wrongly, or fail in the middle of an epoch
+    for split in splits:  # else a shape or label error in the first step, or images paired with another copy's labels
+        problem = None
         if split.data.dim() != 3 or split.targets.dim() != 1 or len(split.data) != len(split.targets):
-            shapes = f"{tuple(split.data.shape)} images but {tuple(split.targets.shape)} labels"
-            raise (UserError(f"{hub_name} has {shapes}: pass a --dataset_name of 28x28 grayscale images with a label each.")
-                   if source == "hub" else _unreadable(name, raw_folder, shapes))
+            problem = f"{tuple(split.data.shape)} images but {tuple(split.targets.shape)} labels"
+        elif split.data.shape[1:] != (28, 28):
+            problem = f"images of {split.data.shape[1]}x{split.data.shape[2]} pixels"
+        elif len(split.targets) and not 0 <= split.targets.min() <= split.targets.max() < NUM_CLASSES:
+            problem = f"labels from {int(split.targets.min())} to {int(split.targets.max())}"
+        if problem:
+            raise (UserError(f"{hub_name} has {problem}: pass a --dataset_name of 28x28 grayscale images with a label "
+                             f"from 0 to {NUM_CLASSES - 1} each.") if source == "hub" else _unreadable(name, raw_folder, problem))
     return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 

@@ -120,17 +120,23 @@ def test_a_full_disk_during_the_download_ends_in_its_sentence_and_leaves_the_dis
         assert list(disk.iterdir()) == [] and not (tmp_path / "run").exists()
 
 
-def test_a_hub_data_set_of_colour_images_ends_in_one_sentence(tmp_path):
-    """--dataset_name a data set whose images are not grayscale: one sentence that says what to pass,
-    not a shape error in the model's first step."""
+@pytest.mark.parametrize("name, image, labels, problem", [
+    ("colour", (28, 28, 3), [0, 1, 2, 3], r"\(4, 28, 28, 3\) images but \(4,\) labels"),
+    ("small", (16, 16), [0, 1, 2, 3], "images of 16x16 pixels"),  # as USPS's digits
+    ("letters", (28, 28), [0, 1, 2, 25], "labels from 0 to 25"),  # as EMNIST's letters
+])
+def test_a_hub_data_set_that_is_not_mnists_kind_ends_in_one_sentence(name, image, labels, problem, tmp_path):
+    """--dataset_name a data set of colour images, of another size, or of more than 10 classes: one
+    sentence that says what to pass, not a shape error in the model's first step or a label out of the
+    loss's range (on a GPU, a device-side assert)."""
     import datasets
 
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=26)})
     for split in ("train", "test"):
-        rows = datasets.Dataset.from_dict({"image": [np.zeros((28, 28, 3), np.uint8)] * 4, "label": [0, 1, 2, 3]}, features=features)
-        rows.to_parquet(f"{tmp_path}/colour/data/{split}-00000-of-00001.parquet")
-    with pytest.raises(UserError, match=r"colour has \(4, 28, 28, 3\) images but \(4,\) labels: pass a --dataset_name of 28x28 grayscale"):
-        mnist_data.load("MNIST", tmp_path / "data", download=False, source="hub", hub_name=str(tmp_path / "colour"), pipeline="memory")
+        rows = datasets.Dataset.from_dict({"image": [np.zeros(image, np.uint8)] * 4, "label": labels}, features=features)
+        rows.to_parquet(f"{tmp_path}/{name}/data/{split}-00000-of-00001.parquet")
+    with pytest.raises(UserError, match=rf"{name} has {problem}: pass a --dataset_name of 28x28 grayscale images with a label from 0 to 9 each\.$"):
+        mnist_data.load("MNIST", tmp_path / "data", download=False, source="hub", hub_name=str(tmp_path / name), pipeline="memory")
 
 
 def probe_records(folder):
