@@ -19,7 +19,8 @@ def weights_to_evaluate(accelerator, spec, output_dir):
     checkpoint folder, a model.safetensors, or `latest`, the newer of both in output_dir; and whether it
     is a model file, as the main process found (another machine's disk may lack the file)."""
     if not spec:
-        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.")
+        raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.",
+                        every_process=True)
     if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
         return Path(spec), True
     checkpoint = first_intact(accelerator, output_dir, spec)

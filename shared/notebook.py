@@ -9,19 +9,26 @@ import os
 import sys
 import threading
 
+from shared import run_folder
 from shared.errors import UserError, end_in_its_sentence, exit_now
 
 
 def in_notebook(main):
     """main, for notebook_launcher, which every process it starts calls: a UserError ends in its one
-    sentence, as under errors.run_main, not in a traceback of every process; the cell then ends."""
+    sentence, as under errors.run_main, not in a traceback of every process; the cell then ends. With one
+    process, notebook_launcher runs main in the kernel itself, which lives on: the run's --output_dir is
+    let go at its end, and a mistake ends the cell, never the kernel."""
+    kernel = os.getpid()
+
     def run(*args):
         try:
             main(*args)
         except UserError as error:
             end_in_its_sentence(error)
-            if not error.every_process:  # the others go on: the launcher stops them once this process fails
+            if not error.every_process and os.getpid() != kernel:  # the others go on: the launcher stops them once this one fails
                 exit_now(1)
+        finally:
+            run_folder.let_go()
     return run
 
 

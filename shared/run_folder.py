@@ -131,15 +131,23 @@ def _hold(path):
     lock.flush()
     os.fsync(lock.fileno())  # NFS shows other machines a file's data only after fsync or close: prepare() reads it there
     remove_if_run_fails(path)  # before the folder it may have made
-    atexit.register(_let_go, path, lock)
+    _HELD.append((path, lock))
 
 
-def _let_go(path, lock):
-    """Remove the lock file while still holding it, unless another run's file has taken its place."""
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
-            path.unlink()
-    lock.close()
+_HELD = []  # (lock file, its open file) of each --output_dir this process holds
+
+
+@atexit.register
+def let_go():
+    """Let go of every --output_dir this process holds: at its exit, or at the end of a run in a process that
+    outlives it (a notebook's kernel). Each lock file is removed while still held, unless another run's file
+    has taken its place."""
+    while _HELD:
+        path, lock = _HELD.pop()
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                path.unlink()
+        lock.close()
 
 
 def _holder(output_dir):

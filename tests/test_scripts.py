@@ -164,6 +164,35 @@ notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run
         f"error: --output_dir {tmp_path / 'run'} already holds a run: choose another --output_dir."], stderr
 
 
+def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and_lets_its_folder_go(small_data, tmp_path):
+    """notebook_launcher with one process runs main in the kernel, which lives on after the run: a mistake
+    of one process (--eval_only without weights) ends the cell in its sentence, not the kernel (it was
+    os._exit there); a run lets its --output_dir go at its end, so the next cell can replace it (before,
+    the kernel held the lock until it exited, and the folder was 'in use by a run still going')."""
+    import nbformat
+
+    def cell(*flags):
+        return f"""
+import sys
+sys.path.insert(0, {str(SCRIPTS)!r})
+from accelerate import notebook_launcher
+from shared.notebook import in_notebook
+from cpu_gloo import main
+
+notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes=1)
+"""
+    common = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--num_epochs", "1"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
+        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"))])
+    run_in_a_kernel(notebook, tmp_path)
+    said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
+    assert "error: --eval_only needs --resume_from_checkpoint" in said[0] and all(
+        output.output_type == "stream" for each in notebook.cells for output in each.outputs), said
+    assert "error" not in said[1] + said[2], said
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
+
+
 def test_a_notebook_launch_forks_processes_that_can_print_while_the_kernel_prints(tmp_path):
     """ipykernel's IOPub thread takes sys.stdout's lock to send what was printed; a process that
     notebook_launcher forks in that moment would hang at its first print. Once shared.notebook is
