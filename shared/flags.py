@@ -49,6 +49,9 @@ class OneLineParser(argparse.ArgumentParser):
                                    ("dataset_name", "--dataset_source hub", lambda: namespace.dataset_source == "hub")):
             if getattr(namespace, flag, None) != self.get_default(flag) and not given():
                 self.error(f"argument --{flag} does nothing without {needs}")
+        for flag in ("profile", "with_tracking"):  # they record training steps, and would write nothing
+            if getattr(namespace, "eval_only", False) and getattr(namespace, flag, False):
+                self.error(f"argument --{flag} does nothing with --eval_only, which trains no step")
         return namespace, extras
 
 

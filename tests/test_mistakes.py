@@ -223,6 +223,12 @@ MISTAKES = {
     "resume of a run without checkpoints": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", "latest", output="no_checkpoints"),
                                             "holds a run but no checkpoint to resume"),
     "eval_only without weights": (lambda p: cpu_gloo(p, "--eval_only", output="earlier"), "--eval_only needs --resume_from_checkpoint"),
+    "eval_only with --profile, which would write no trace": (
+        lambda p: cpu_gloo(p, "--eval_only", "--profile", "--resume_from_checkpoint", "latest", output="earlier"),
+        "argument --profile does nothing with --eval_only, which trains no step: see cpu_gloo.py --help"),
+    "eval_only with --with_tracking, which would log nothing": (
+        lambda p: cpu_gloo(p, "--eval_only", "--with_tracking", "--resume_from_checkpoint", "latest", output="earlier"),
+        "argument --with_tracking does nothing with --eval_only, which trains no step: see cpu_gloo.py --help"),
     "eval_only with another model's weights": (lambda p: cpu_gloo(p, "--eval_only", "--resume_from_checkpoint", p / "toy" / "model.safetensors", output="earlier"),
                                                "does not hold this script's model weights"),
     # Read by the main process alone, which must stop the others with it rather than leave them waiting.
