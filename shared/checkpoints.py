@@ -89,6 +89,7 @@ class Checkpoints:
             self.newest = final
             if self.writes and self.keep:
                 self._prune()
+            self.accelerator.wait_for_everyone()  # the others wait here, inside the save, while old checkpoints go
         except UserError:
             if self.writes:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -280,13 +281,13 @@ def apply_flags_schedule(accelerator, scheduler, lr, gamma):
 
 def named_checkpoint(path):
     """`path` as a string once it is a checkpoint folder whose trainer_state.json reads, else a sentence saying why not."""
-    if path.is_file():
-        raise UserError(
-            f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
-            "or 'latest', or evaluate a model file with --eval_only.")
-    if not path.is_dir():
-        raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
     try:
+        if path.is_file():
+            raise UserError(
+                f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
+                "or 'latest', or evaluate a model file with --eval_only.")
+        if not path.is_dir():
+            raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
         if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
             raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
         json.loads((path / STATE_FILE).read_text())

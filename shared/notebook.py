@@ -9,15 +9,15 @@ import os
 import sys
 import threading
 
-from shared import run_folder
+from shared import preemption, run_folder
 from shared.errors import UserError, end_in_its_sentence, exit_now
 
 
 def in_notebook(main):
     """main, for notebook_launcher, which every process it starts calls: a UserError ends in its one
     sentence, as under errors.run_main, not in a traceback of every process; the cell then ends. With one
-    process, notebook_launcher runs main in the kernel itself, which lives on: the run's --output_dir is
-    let go at its end, and a mistake ends the cell, never the kernel."""
+    process, notebook_launcher runs main in the kernel itself, which lives on: at the run's end its
+    --output_dir is let go and preemption's watchdog ends, and a mistake ends the cell, never the kernel."""
     kernel = os.getpid()
 
     def run(*args):
@@ -29,6 +29,7 @@ def in_notebook(main):
                 exit_now(1)
         finally:
             run_folder.let_go()
+            preemption.stop_watching()
     return run
 
 

@@ -29,6 +29,7 @@ from shared.errors import STOPPED_EXIT_CODE, exit_now
 
 
 WAKEUP_SOCKETS = []
+WATCHING = []  # the Preemptions of this process's run, until stop_watching
 
 
 def signal_numbers():
@@ -54,12 +55,12 @@ class Preemption:
     BUSY_LIMIT_S = 80
 
     def __init__(self, accelerator, enabled):
-        self.accelerator = accelerator
-        self.enabled = enabled
+        self.accelerator, self.enabled, self.ended = accelerator, enabled, threading.Event()
         if enabled:
-            for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
+            self.replaced = {stop_signal: signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
+                             for stop_signal in (signal.SIGTERM, signal.SIGUSR1)}
             threading.Thread(target=self._end_if_stuck, args=(signal_numbers(),), daemon=True).start()
+            WATCHING.append(self)
 
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
@@ -67,11 +68,14 @@ class Preemption:
         return self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
 
     def _end_if_stuck(self, reader):
-        while (signum := reader.recv(1)[0]) not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            pass
+        signum = None
+        while signum not in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signum = reader.recv(1)[0]
+            if self.ended.is_set():  # a signal after the run, to a process that outlives it
+                return
         what, exit_code = ("Ctrl-C", 128 + signal.SIGINT) if signum == signal.SIGINT else ("a signal to stop", STOPPED_EXIT_CODE)
         main, where, since = threading.main_thread().ident, None, time.monotonic()
-        while True:  # until the process ends: after its save, an agreed stop ends it
+        while not self.ended.is_set():  # until the run ends: after its save, an agreed stop ends it
             frame = sys._current_frames().get(main)
             here = (frame.f_code, frame.f_lineno) if frame else None
             limit = self.BUSY_LIMIT_S if self._busy(frame) else self.GRACE_S
@@ -86,3 +90,13 @@ class Preemption:
 
     def _busy(self, frame):
         return frame is not None and any(each.f_code.co_name in self.BUSY_IN for each, _ in traceback.walk_stack(frame))
+
+
+def stop_watching():
+    """At the end of a run in a process that outlives it (a notebook's kernel, which an interrupt sends
+    SIGINT): the watchdogs end, and the signal handlers they replaced are back."""
+    while WATCHING:
+        preemption = WATCHING.pop()
+        preemption.ended.set()
+        for stop_signal, handler in preemption.replaced.items():
+            signal.signal(stop_signal, handler)

@@ -50,7 +50,8 @@ def resumes_here(spec, output_dir):
     if spec is None:
         return False
     path, output_dir = Path(spec).resolve(), Path(output_dir).resolve()  # the run folder itself too, never replaced by its own resume
-    return spec == "latest" or not path.is_dir() or path == output_dir or path.is_relative_to((output_dir / CHECKPOINT_FOLDER).resolve())
+    return (spec == "latest" or not os.path.isdir(path)  # not there, or in a folder this user cannot enter: the resume names it
+            or path == output_dir or path.is_relative_to((output_dir / CHECKPOINT_FOLDER).resolve()))
 
 
 def writes_here(accelerator):

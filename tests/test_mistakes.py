@@ -337,19 +337,20 @@ def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):
 def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, tmp_path):
     """A colleague's drwx------ checkpoint: the folder is seen, but what it holds cannot be read. The
     script runs without the capabilities that let root read any folder (setpriv), as an ordinary user would."""
-    locked = tmp_path / "colleague" / "step_00000004"
-    shutil.copytree(checkpoint_of(place, "earlier"), locked)
-    locked.chmod(0o000)
+    checkpoint = tmp_path / "colleague" / "run" / "step_00000004"
+    shutil.copytree(checkpoint_of(place, "earlier"), checkpoint)
     no_root_reading = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
-    try:
-        result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", locked, output=tmp_path / "mine"), cwd=tmp_path, check=False)
-    finally:
-        locked.chmod(0o755)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.splitlines() == [
-        f"error: Checkpoint {locked} could not be read ([Errno 13] Permission denied: '{locked / 'checkpoints'}'): give yourself "
-        "read access to it, or copy it to a folder you can read."]
-    assert not (tmp_path / "mine").exists()
+    for locked, denied in ((checkpoint, checkpoint / "checkpoints"), (checkpoint.parent, checkpoint)):  # the folder, or the one it is in
+        locked.chmod(0o000)
+        try:
+            result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", checkpoint, output=tmp_path / "mine"), cwd=tmp_path, check=False)
+        finally:
+            locked.chmod(0o755)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr.splitlines() == [
+            f"error: Checkpoint {checkpoint} could not be read ([Errno 13] Permission denied: '{denied}'): give yourself "
+            "read access to it, or copy it to a folder you can read."]
+        assert not (tmp_path / "mine").exists()
 
 
 def test_a_checkpoint_through_a_linked_checkpoints_folder_continues_its_run(place, tmp_path):

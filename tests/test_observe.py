@@ -53,11 +53,13 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
 
 def test_the_step_table_leaves_out_the_steps_that_held_an_evaluation_or_no_training(small_data, tmp_path):
     """The profiled window crosses an epoch's end (8 steps an epoch, steps 8 to 12 recorded): one step
-    also holds epoch 1's evaluation. A run that ends inside the window (--max_train_steps 10) leaves its
-    last span open, and torch closes it only at the end, around the evaluation and the save. Neither is
-    a training step: averaged in, they made the step look slower than it is."""
-    for name, flags, counted in (("across_an_epoch", ["--num_epochs", "2"], 4), ("ended_inside", ["--max_train_steps", "10"], 3)):
-        profiled, _ = train("cpu_gloo.py", tmp_path, name, "--batch_size", "64", "--profile", *flags, data_dir=small_data)
+    also holds epoch 1's evaluation. A run that ends inside the window (--max_train_steps 10, 16 steps an
+    epoch) leaves its last span open, and torch closes it only at the end, around the evaluation (here one
+    forward, of the one test batch) and the save. Neither is a training step: averaged in, they made the
+    step look slower than it is."""
+    for name, flags, counted in (("across_an_epoch", ["--num_epochs", "2", "--batch_size", "64"], 4),
+                                 ("ended_inside", ["--max_train_steps", "10", "--batch_size", "32"], 3)):
+        profiled, _ = train("cpu_gloo.py", tmp_path, name, "--profile", *flags, data_dir=small_data)
         printed, (row,) = step_time_table(profiled / "profile", tmp_path)
         assert (row["steps"], row["left out"]) == (counted, 1), row
         assert f"over {counted} profiled training steps, 1 more left out that held an evaluation or no training" in printed

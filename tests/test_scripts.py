@@ -168,7 +168,9 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     """notebook_launcher with one process runs main in the kernel, which lives on after the run: a mistake
     of one process (--eval_only without weights) ends the cell in its sentence, not the kernel (it was
     os._exit there); a run lets its --output_dir go at its end, so the next cell can replace it (before,
-    the kernel held the lock until it exited, and the folder was 'in use by a run still going')."""
+    the kernel held the lock until it exited, and the folder was 'in use by a run still going'); an
+    interrupt of the idle kernel after a run with checkpoints leaves it alive (preemption's watchdog
+    ended it with exit 130)."""
     import nbformat
 
     def cell(*flags):
@@ -181,16 +183,30 @@ from cpu_gloo import main
 
 notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes=1)
 """
-    common = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--num_epochs", "1"]
+    common = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
+    # The kernel interrupted after the run (as Jupyter's interrupt button does), idle past preemption's grace
+    # (2 s here): the run's watchdog, which wakes at the signal, must have ended with the run.
+    interrupt = """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+except KeyboardInterrupt:
+    pass
+time.sleep(4)
+print("the kernel lives on")
+"""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
-        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"))])
+        "from shared.preemption import Preemption\nPreemption.GRACE_S = 2",
+        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"), interrupt)])
     run_in_a_kernel(notebook, tmp_path)
     said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
-    assert "error: --eval_only needs --resume_from_checkpoint" in said[0] and all(
+    assert "error: --eval_only needs --resume_from_checkpoint" in said[1] and all(
         output.output_type == "stream" for each in notebook.cells for output in each.outputs), said
-    assert "error" not in said[1] + said[2], said
+    assert "error" not in said[2] + said[3], said
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
+    assert notebook.cells[-1].outputs[-1].text == "the kernel lives on\n"
 
 
 def test_a_notebook_launch_forks_processes_that_can_print_while_the_kernel_prints(tmp_path):

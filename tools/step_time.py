@@ -82,7 +82,7 @@ def step_time(trace):
 
         forwards = [event for event in on_main if event["name"] == "DistributedDataParallel.forward"] or [
             event for event in on_main if event["name"] == "forward"]
-        if len(forwards) != 1:  # an evaluation's forwards too, or no training at all: not a training step
+        if len(forwards) != 1 or backward_span(inside) is None:  # an evaluation's forwards too, or no training: not a training step
             left_out += 1
             continue
         backward = backward_span(inside) or (start, start)
@@ -141,7 +141,7 @@ def main():
     traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
     rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(read_trace(path))} for path in traces]
     if not rows or not all(row["steps"] for row in rows):
-        sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded training step: pass the profile folder of a run "
+        sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded step: pass the profile folder of a run "
                  "trained with --profile long enough to record its steps.")
     try:
         (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
