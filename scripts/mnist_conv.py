@@ -155,6 +155,7 @@ def main(argv=None):
         else:
             with checkpoints.loading(weights, accelerator):
                 accelerator.load_state(weights)
+            agreement.check_weights(accelerator, model)  # every process: where each machine loaded its own copy, the same weights
         evaluation.report(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
         accelerator.free_memory()  # let go of the DDP model: its process group ends now, not in interpreter shutdown
         accelerator.end_training()
@@ -175,6 +176,7 @@ def main(argv=None):
         if start.path:  # none where `latest` finds no checkpoint yet: a new run
             with checkpoints.loading(start.path, accelerator, start):
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
+            agreement.check_weights(accelerator, model)  # every process: where each machine loaded its own copy, the same weights
             checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
     # Every process: a resumed run that had already stopped early stops with a sentence.
     early_stopping = EarlyStopping(accelerator, output_dir, start, patience=args.early_stopping_patience, target=args.early_stopping_target)

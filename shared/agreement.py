@@ -30,7 +30,8 @@ ADVICE = {"flags": "start every process with the same training flags",
           "profile": "launch every machine with the same launch profile settings",
           "code": "run the same code on every machine",
           "packages": "install the same versions everywhere (pip install -r requirements.txt -c constraints.txt)",
-          "data": "give every machine the same copy of the data set (delete a machine's copy under --data_dir to have it downloaded again)"}
+          "data": "give every machine the same copy of the data set (delete a machine's copy under --data_dir to have it downloaded again)",
+          "weights": "give every machine the same copy of the checkpoint (machine 0's), or resume from one they saved together"}
 
 
 def check(accelerator, flags):
@@ -77,6 +78,20 @@ def check_data(accelerator, train_set, test_set):
             digest.update(torch.as_tensor(tensor).contiguous().numpy())
         data[name] = f"the {name} has {len(dataset)} samples with SHA-256 {digest.hexdigest()[:12]}"
     stop_at_a_difference({"data": data})
+
+
+def check_weights(accelerator, model):
+    """Every process must call this after a checkpoint's load_state (one all-gather where each machine has
+    a disk, and so a copy, of its own): every process loaded the same parameters, or all stop. Each copy
+    was checked against its own digests only; one that another run saved there (a resume on one machine
+    alone) passes that, and its weights would mix with the others' (BatchNorm's running statistics,
+    which each process keeps, are not compared)."""
+    if not accelerator.project_configuration.save_on_each_node:  # one copy, on the disk every machine shares
+        return
+    digest = hashlib.sha256()
+    for parameter in accelerator.unwrap_model(model, keep_torch_compile=False).parameters():
+        digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    stop_at_a_difference({"weights": {"parameters": f"the loaded weights have SHA-256 {digest.hexdigest()[:12]}"}})
 
 
 def stop_at_a_difference(description):

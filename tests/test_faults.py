@@ -334,6 +334,36 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
         assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
+def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_the_first_step(small_data, tmp_path):
+    """Machines with a disk each hold a copy each of every checkpoint, each checked against its own digests.
+    Machine 1's copy here holds other weights, with digests to match, as one that another run saved there
+    would (a resume on that machine alone): resumed together, or evaluated, both stop in one sentence;
+    before, each trained, or scored its share of the test set, from its own weights."""
+    from safetensors.torch import save_file
+
+    flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
+    folders = [tmp_path / "machine_0", tmp_path / "machine_1"]
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder] for folder in folders])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    other = latest_checkpoint(folders[1] / "checkpoints")
+    save_file({name: tensor + 0.01 for name, tensor in load_file(other / "model.safetensors").items()}, other / "model.safetensors")
+    state = read_state(other)
+    state["files"]["model.safetensors"] = checkpoints.sha256(other / "model.safetensors")
+    (other / "trainer_state.json").write_text(json.dumps(state))
+    host = os.uname().nodename
+    for folder in folders:  # killed before the model was saved: --eval_only of `latest` takes the checkpoint (a model file's copies are compared already)
+        (folder / "model.safetensors").unlink()
+    for resume in (["--num_epochs", "2"], ["--eval_only"]):
+        results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", *resume] for folder in folders])
+        for result in results:
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+            (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+            assert line.startswith(f"error: The processes disagree before the first step: the loaded weights have SHA-256 ") and line.endswith(
+                f"in process 0 on {host}: give every machine the same copy of the checkpoint (machine 0's), or resume from one they "
+                "saved together."), line
+    assert [record["epoch"] for record in read_metrics(folders[0])] == [1] and not (folders[0] / "eval.json").exists()
+
+
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
     """Machine 1 launched with bf16 (its copy of the profile edited): the same flags, but the Accelerators
     differ, which the processes compare too. The precision is compared by its effect, not by where it was
