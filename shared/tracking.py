@@ -35,11 +35,12 @@ def starting(accelerator, output_dir, report_to, start):
     which starts the trackers on the main process alone. MLflow's runs and artifacts go under output_dir
     (accelerate's MLflow tracker would use ./mlruns of wherever the run started; a MLFLOW_TRACKING_URI you
     set wins). TensorBoard drops the epochs from `start` (a checkpoints.Position) on that the run a resume
-    continues had logged, as metrics.jsonl drops their records: its curves then hold each epoch once. A tracker that fails to start (a server down, a store it cannot make) stops every process
-    with one sentence, not a traceback on one and a wait on the others; the trackers started before it
-    are closed, and the stores they made in output_dir removed (a resumed run's stay). One that fails
-    later is left out with a warning (_left_out_if_failing), not the run; one whose package the main
-    process lacks stops every process before any starts."""
+    continues had logged, as metrics.jsonl drops their records: its curves then hold each epoch once. A
+    tracker that fails to start (a server down, a store it cannot make) stops every process with one
+    sentence, not a traceback on one and a wait on the others; the trackers started before it are
+    closed, and the stores they made in output_dir removed (a resumed run's stay). One that fails later
+    is left out with a warning (_left_out_if_failing), not the run; one whose package the main process
+    lacks stops every process before any starts."""
     stop_together.on_main_process(accelerator, lambda: _check_installed(log_with(True, report_to)))
     output_dir = Path(output_dir).resolve()
     if report_to in ("mlflow", "all"):

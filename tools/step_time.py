@@ -82,10 +82,10 @@ def step_time(trace):
 
         forwards = [event for event in on_main if event["name"] == "DistributedDataParallel.forward"] or [
             event for event in on_main if event["name"] == "forward"]
-        if len(forwards) != 1 or backward_span(inside) is None:  # an evaluation's forwards too, or no training: not a training step
+        backward = backward_span(inside)
+        if len(forwards) != 1 or backward is None:  # an evaluation's forwards too, or no training: not a training step
             left_out += 1
             continue
-        backward = backward_span(inside) or (start, start)
         phases = {"forward": total("DistributedDataParallel.forward") or total("forward"), "backward": backward[1] - backward[0],
                   "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
         if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
