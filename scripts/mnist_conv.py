@@ -94,7 +94,7 @@ def evaluate(model, loader, accelerator):
     model.train()
     count = int(total.sum())  # sums stay on the device until here: no sync per batch
     return {"eval_loss": loss_sum.item() / count, "eval_accuracy": int(correct.sum()) / count, "eval_samples": count,
-            "eval_per_class_accuracy": (correct / total.clamp(min=1)).tolist()}
+            "eval_per_class_accuracy": [c / n if n else None for c, n in zip(correct.tolist(), total.tolist())]}
 
 
 def main(argv=None):

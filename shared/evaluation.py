@@ -71,7 +71,7 @@ def report(result, source, accelerator, output_dir):
     accelerator.print(f"{source}: eval_accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples "
                       f"(eval_loss {result['eval_loss']:.4f}, world_size {accelerator.num_processes})")
     for label, accuracy in enumerate(result["eval_per_class_accuracy"]):
-        accelerator.print(f"  class {label}: {accuracy:.4f}")
+        accelerator.print(f"  class {label}: " + ("no sample" if accuracy is None else f"{accuracy:.4f}"))
     with stop_together.if_write_fails(output_dir / EVAL_FILE, "free space or fix the folder, and evaluate again."):
         if accelerator.is_main_process:
             write_whole(output_dir / EVAL_FILE, json.dumps(result, indent=1))

@@ -3,6 +3,7 @@ gives the accuracy a single process computes for the same weights."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,14 +11,15 @@ from safetensors.torch import load_file
 from torchvision import datasets, transforms
 
 from conftest import launch_command, python_command, read_metrics, run
+from mnist_files import write_mnist_layout
 from test_scripts import SCRIPTS, load_script_module
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
 pytestmark = pytest.mark.xdist_group("metrics")
 
 
-def single_process_evaluation(weights, data_dir):
-    """Plain PyTorch, no Accelerate: the reference numbers for these weights."""
+def single_process_evaluation(weights, data_dir, per_class=False):
+    """Plain PyTorch, no Accelerate: the reference numbers for these weights (and each class's accuracy)."""
     model = load_script_module(SCRIPTS / "cpu_gloo.py").SimpleNet()
     model.load_state_dict(load_file(weights))
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
@@ -26,6 +28,9 @@ def single_process_evaluation(weights, data_dir):
     labels = torch.tensor([label for _, label in test_set])
     with torch.no_grad():
         logits = model(images)
+    if per_class:
+        return [(logits.argmax(1)[labels == label] == label).sum().item() / (labels == label).sum().item()
+                if (labels == label).any() else None for label in range(10)]
     return (logits.argmax(1) == labels).sum().item() / len(labels), F.cross_entropy(logits, labels).item(), len(labels)
 
 
@@ -56,3 +61,21 @@ def test_training_run_metrics_match_the_reference(trained, data_dir):
     accuracy, loss, count = single_process_evaluation(trained / "model.safetensors", data_dir)
     record = read_metrics(trained)[-1]
     assert (record["eval_samples"], record["eval_accuracy"]) == (count, pytest.approx(accuracy, abs=1e-12))
+
+
+def test_per_class_accuracy_is_null_for_a_class_the_eval_set_lacks(trained, data_dir, tmp_path):
+    """Each class's accuracy is the reference's over 3 processes; one with no eval sample is null, not
+    0.0, which would read as a class the model never gets right."""
+    train, test = (datasets.MNIST(data_dir, train=split) for split in (True, False))
+    kept = test.targets != 9
+    write_mnist_layout(tmp_path / "data", "MNIST", train.data.numpy(), train.targets.numpy(), test.data[kept].numpy(),
+                       test.targets[kept].numpy().astype(np.uint8))
+    result = run(launch_command("cpu_gloo.py", "--data_dir", tmp_path / "data", "--output_dir", tmp_path / "eval", "--eval_only",
+                                "--resume_from_checkpoint", trained / "model.safetensors", "--eval_batch_size", "7", num_processes=3),
+                 cwd=tmp_path)
+    evaluation = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    reference = single_process_evaluation(trained / "model.safetensors", tmp_path / "data", per_class=True)
+    assert evaluation["world_size"] == 3 and reference[9] is None and 0 < sum(reference[:9]) / 9 < 1
+    assert evaluation["eval_per_class_accuracy"] == [pytest.approx(accuracy, abs=1e-12) if accuracy is not None else None
+                                                     for accuracy in reference]
+    assert "class 9: no sample" in result.stdout
