@@ -48,7 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 from shared.devices import require_gpus
-from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, first_line, print_traceback_if_asked
+from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, exit_now, first_line, print_traceback_if_asked
 from shared.preemption import signal_numbers
 
 if CPP_LOG_LEVEL is None:  # the environment as it was (a test imports this module)
@@ -228,8 +228,7 @@ def end_while_waiting(signum):
         print(f"Stopped by {name} while the launch waited for the other machines, with no training process running here: nothing "
               "trained since the newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.",
               file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(128 + signal.SIGINT if signum == signal.SIGINT else STOPPED_EXIT_CODE)
+        exit_now(128 + signal.SIGINT if signum == signal.SIGINT else STOPPED_EXIT_CODE)
 
 
 def has_child_process():
