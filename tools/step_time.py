@@ -86,7 +86,7 @@ def step_time(trace):
         if len(forwards) != 1 or backward is None:  # an evaluation's forwards too, or no training: not a training step
             left_out += 1
             continue
-        phases = {"forward": total("DistributedDataParallel.forward") or total("forward"), "backward": backward[1] - backward[0],
+        phases = {"forward": forwards[0]["dur"], "backward": backward[1] - backward[0],
                   "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
         if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
             device_start, device_end = on_device.get(step["name"], (start, end))
