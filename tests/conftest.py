@@ -39,6 +39,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TESTS))
 
+from fork_server import FORKED_LOG  # noqa: E402
 from synthetic_digits import write_small_mnist  # noqa: E402
 from shared.metrics import read_records  # noqa: E402
 from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
@@ -103,6 +104,12 @@ def process_start(request):
     forks.clear()
     yield
     forks.update(allowed)
+
+
+def forked_commands():
+    """The command (`python`'s arguments) of every fork this test process's fork servers have made, in order."""
+    log = Path(forks["FORK_SERVER_DIR"]) / FORKED_LOG
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
 def script_env():

@@ -47,6 +47,7 @@ NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
 LIMITS = [getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")]
 MAX_FDS = 64  # files passed on from the client; more than that and it starts a new interpreter
 SKIPPED_FRAMES = ("<frozen runpy>", runpy.__file__, os.path.abspath(__file__))  # the frames before the command's own
+FORKED_LOG = "forked.jsonl"  # in the servers' folder: the command of every fork, a line each (conftest.forked_commands)
 
 
 def serve(folder):
@@ -69,7 +70,7 @@ def serve(folder):
             for item in ready:
                 try:
                     if item is listener:
-                        accept(listener, forks)
+                        accept(listener, forks, os.path.join(folder, FORKED_LOG))
                     elif item in forks:
                         report_end(item, forks)
                     elif forks.get(clients[item], (None, None))[1] is item:  # (not ended in this pass)
@@ -81,11 +82,11 @@ def serve(folder):
             os.kill(pid, signal.SIGKILL)
 
 
-def accept(listener, forks):
+def accept(listener, forks, log):
     connection, _ = listener.accept()
     try:
         own_files = [listener, *forks, *(client for _, client in forks.values() if client is not None)]
-        pid = start(connection, own_files)
+        pid = start(connection, own_files, log)
     except BaseException:
         connection.close()
         raise
@@ -132,9 +133,10 @@ def reply(connection, message):
         pass
 
 
-def start(connection, own_files):
+def start(connection, own_files, log):
     """Read the request; fork the command's process and tell the client its pid, or tell the client to
-    start a new interpreter. The fork's pid, or None. `own_files`: the server's, which the fork closes."""
+    start a new interpreter. The fork's pid, or None. `own_files`: the server's, which the fork closes;
+    `log`: the file the fork's command is appended to."""
     connection.settimeout(5)  # a client sends its request as soon as it connects
     header, fds, _, _ = socket.recv_fds(connection, 4, MAX_FDS)
     try:
@@ -162,6 +164,8 @@ def start(connection, own_files):
     finally:
         for fd in fds:
             os.close(fd)
+    with open(log, "a") as forked:  # one short write in append mode: the servers' lines never mix
+        forked.write(json.dumps(request["argv"]) + "\n")
     reply(connection, {"pid": pid})
     connection.settimeout(None)
     return pid
