@@ -102,7 +102,8 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
 
     newest = latest_checkpoint(killed / "checkpoints")
     assert read_state(newest)["global_step"] == 150
-    run(training_command(num_processes, "--output_dir", killed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    resumed = run(training_command(num_processes, "--output_dir", killed, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert f"Resumed from {newest}: epoch " in resumed.stdout, resumed.stdout[-2000:]
     assert_ends_like(reference, killed)
 
 
@@ -165,15 +166,17 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
         assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
         saved = checkpoints_in(output_dir / "checkpoints")
         assert [path.name for path in saved] == ["step_00000050", "step_00000100"]
-        assert [line for line in failed.stderr.splitlines() if line.startswith("error:")] == [
-            f"error: Could not write {output_dir / 'checkpoints' / 'step_00000150'} (" + failed.stderr.split("step_00000150 (")[1].split("): ")[0]
-            + f"): free space or fix the folder, then resume with --resume_from_checkpoint latest, which is {saved[-1]} and complete."]
-        assert "no space left on" in failed.stderr.lower(), failed.stderr[-600:]
+        (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(f"error: Could not write {output_dir / 'checkpoints' / 'step_00000150'} (") and line.endswith(
+            f"): free space or fix the folder, then resume with --resume_from_checkpoint latest, which is {saved[-1]} and complete."), line
+        assert "no space left on" in line.lower(), line  # the cause, in the sentence itself
         assert not list((output_dir / "checkpoints").glob(".tmp_*")), "the failed save's partial folder is gone"
         assert all(checkpoint_damage(path) is None for path in saved)
         moved = tmp_path / "moved"
         shutil.copytree(output_dir, moved)
-    run(training_command(num_processes, "--output_dir", moved, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    resumed = run(training_command(num_processes, "--output_dir", moved, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
+                  cwd=tmp_path)
+    assert f"Resumed from {moved / 'checkpoints' / 'step_00000100'}: epoch " in resumed.stdout, resumed.stdout[-2000:]
     assert_ends_like(reference, moved)
 
 
@@ -288,12 +291,13 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
         for process in [launcher, *launcher.children(recursive=True)]:  # paused, alive, holding its folder: the cores go to the launches below
             process.suspend()
         for extra in (["--overwrite_output_dir"], []):
-            before = (output_dir / "metrics.jsonl").read_text()
+            before = {path: path.read_bytes() if path.is_file() else None for path in output_dir.rglob("*")}
             second = run(training_command(num_processes, *args, *extra), cwd=tmp_path, check=False)
             assert second.returncode == 1 and "Traceback" not in second.stderr
             assert f"error: --output_dir {output_dir} is in use by a run still going (host {os.uname().nodename}, process {holder.pid}): " \
                    "wait for it to end, stop it, or choose another --output_dir." in second.stderr
-            assert (output_dir / "metrics.jsonl").read_text().startswith(before), "the live run's records are all there"
+            assert {path: path.read_bytes() if path.is_file() else None for path in output_dir.rglob("*")} == before, \
+                "every file of the live run's folder is as it was"
             assert live.poll() is None, "the live run goes on"
     finally:
         for process in [*launcher.children(recursive=True), launcher]:

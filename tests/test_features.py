@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SCRIPTS, TOOLS, checkpoints_in, data_flags, launch_command, python_command, read_metrics, run, script_env, two_machines
+from conftest import SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -135,7 +135,8 @@ def test_checkpoint_names_pruning_and_latest(data_dir, tmp_path):
 
     before = read_metrics(run_dir)
     flags[flags.index("--num_epochs") + 1] = "3"
-    run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    resumed = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_00000060'}: epoch 2, 28 batches in" in resumed.stdout, resumed.stdout[-2000:]
     after = read_metrics(run_dir)
     # Resumed at step 60, inside epoch 2: epoch 2 is finished again, to the same numbers.
     assert [r["epoch"] for r in after] == [1, 2, 3]
@@ -174,7 +175,8 @@ def test_a_record_cut_short_by_a_kill_is_left_out_and_the_run_resumes(small_data
     resume_from(whole, "step_00000016", cut)  # after epoch 2, with its two records
     with (cut / "metrics.jsonl").open("a") as file:
         file.write('{"epoch": 3, "train_lo')
-    train("cpu_gloo.py", tmp_path, "cut", *flags, "--resume_from_checkpoint", "latest")
+    _, result = train("cpu_gloo.py", tmp_path, "cut", *flags, "--resume_from_checkpoint", "latest")
+    assert f"Resumed from {cut / 'checkpoints' / 'step_00000016'}: epoch 3, 0 batches in" in result.stdout, result.stdout[-2000:]
     assert_same_weights(weights(whole), weights(cut))
     assert_same_records(read_metrics(whole), read_metrics(cut), rel=1e-6)
 
@@ -221,7 +223,7 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_dat
 def test_a_resume_at_another_process_count_falls_on_a_whole_optimizer_step(small_data, tmp_path):
     """With gradient accumulation, the checkpoint's position must be a whole number of the new run's
     optimizer steps (processes x batch x accumulation), not only of its batches, or its accumulation
-    windows would not line up: 96 samples in, 2 x 8 x 2 fits, 4 x 8 x 2 does not."""
+    windows would not line up: 96 samples in (2 x 8 x 2 saved it), 4 x 8 x 2 does not fit, 1 x 8 x 2 does."""
     flags = ["--data_dir", small_data, "--no_split_batches", "--batch_size", "8", "--gradient_accumulation_steps", "2",
              "--num_epochs", "1", "--checkpointing_steps", "3"]
     run_dir = tmp_path / "run"
@@ -232,6 +234,10 @@ def test_a_resume_at_another_process_count_falls_on_a_whole_optimizer_step(small
     assert refused.returncode == 1 and "stopped 96 samples into epoch 1, which is not a whole number of this run's steps of 64 samples" in refused.stderr
     assert "resume with 2 processes, --batch_size 8 and --gradient_accumulation_steps 2 (its steps of 32), or from an epoch checkpoint." \
         in refused.stderr, "the advice names every flag that makes up the checkpoint's step"
+    resumed = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000003"),
+                  cwd=tmp_path)
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_00000003'}: epoch 1, 12 batches in, step 3." in resumed.stdout, resumed.stdout[-2000:]
+    assert [record["world_size"] for record in read_metrics(run_dir)] == [1]
 
 
 def test_a_resume_that_is_refused_sets_no_checkpoint_aside(small_data, tmp_path):
@@ -628,6 +634,7 @@ def test_two_machines_train_as_one_group_with_a_disk_each_and_resume_together(da
     for folder in folders:
         assert_same_weights(weights(single), weights(folder))
         assert [path.name for path in checkpoints_in(folder / "checkpoints")] == ["step_00000040"]
+        assert checkpoint_damage(folder / "checkpoints" / "step_00000040") is None, "every file there, as its digests say"
     assert_same_records(read_metrics(single), read_metrics(folders[0]))
 
     # Both resume from their own copy of step 40, the newest the main process finds.

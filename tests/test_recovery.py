@@ -87,17 +87,25 @@ def finish(job, timeout):
         pytest.fail(f"the run was still going {timeout} s later\n" + "\n".join(tree) + f"\n{stdout[-1500:]}\n{stderr[-3000:]}")
 
 
+@pytest.fixture(scope="module")
+def reference(small_data, tmp_path_factory):
+    """The run an interrupted one must end like: cpu_gloo.py with FLAGS at 2 processes, never stopped and
+    saving no checkpoint (saving them changes nothing: test_features.py)."""
+    output_dir = tmp_path_factory.mktemp("reference") / "run"
+    run(launch("--output_dir", output_dir, "--data_dir", small_data, *FLAGS), cwd=output_dir.parent)
+    assert_world_size(output_dir)
+    return output_dir
+
+
 # -- preemption: save, then exit --------------------------------------------------------------------
 
 @pytest.mark.parametrize("target, stop_signal", [("launcher", signal.SIGTERM), ("rank 1", signal.SIGUSR1)])
-def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, small_data, tmp_path):
+def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, small_data, reference, tmp_path):
     """SIGTERM to the launcher (as `kill` on the job, or SLURM, sends it), or SLURM's SIGUSR1 to one rank:
     every process stops after the same step, a checkpoint of it is saved, the job exits non-zero within
     torchrun's grace period, and rank 0 says where it stopped. The run waits for the signal after step 70
     (tests/probes/pause_at_step.py), so that the signal reaches it inside epoch 2 however busy the machine."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]  # no scheduled save before the end
-    reference = tmp_path / "reference"
-    run(launch("--output_dir", reference, *args), cwd=tmp_path)
 
     stopped = tmp_path / "stopped"
     ranks = [0, 1] if target == "launcher" else [1]  # rank 0 waits for rank 1 in the step's check for a signal
@@ -115,8 +123,8 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert saved.name == "step_00000070" and not (stopped / "model.safetensors").exists()
     assert "Traceback" not in stderr
 
-    run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
-    assert_world_size(reference)
+    resumed = run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert f"Resumed from {saved}: epoch 2, " in resumed.stdout, resumed.stdout[-2000:]
     assert_world_size(stopped)
     assert_same_weights(weights(reference), weights(stopped))
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
@@ -200,13 +208,10 @@ def test_a_signal_while_the_launch_waits_for_the_other_machines_ends_it_at_once(
 
 # -- elastic restarts ---------------------------------------------------------------------------------
 
-def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_path):
+def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, reference, tmp_path):
     """--max_restarts: a rank SIGKILLed at two moments of one run, and the job still ends with exit 0
     and the weights of a run that never stopped; one line per restart, no traceback."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20", "--resume_from_checkpoint", "latest"]
-    reference = tmp_path / "reference"
-    run(launch("--output_dir", reference, *args), cwd=tmp_path)
-
     restarted = tmp_path / "restarted"
     # Both processes wait after steps 70 and 210 (tests/probes/pause_at_step.py), where one is killed:
     # in epoch 2, then in epoch 4 after the first restart resumed (512 steps in all), however busy the machine.
@@ -224,7 +229,6 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, tmp_
     assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
     assert len(checkpoints_in(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
-    assert_world_size(reference)
     assert_world_size(restarted)
     assert_same_weights(weights(reference), weights(restarted))
     assert_same_records(read_metrics(reference), read_metrics(restarted), rel=1e-6)
@@ -353,9 +357,9 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     print(f"both hosts stopped {time.monotonic() - cut_at:.1f} s after the link went down")
     ip("link", "set", hosts[0][1], "up", namespace=hosts[0][0])
     machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, "--resume_from_checkpoint", "latest")
-    for machine in machines:
-        _, stderr = finish(machine, 240)
-        assert machine.returncode == 0, stderr[-3000:]
+    outputs = [finish(machine, 240) for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert f"Resumed from {cut / 'checkpoints' / 'step_00000020'}: epoch 1, " in outputs[0][0], "the newest before the cut, at step 30"
     assert_world_size(cut)
     assert_same_weights(weights(single), weights(cut))
 

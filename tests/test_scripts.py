@@ -54,7 +54,7 @@ def test_one_process_with_python(script, data_dir, tmp_path):
     command = python_command(script, *data_flags(script, data_dir), "--output_dir", output_dir, *flags)
     result = run(command, cwd=tmp_path)
     assert_trained(output_dir, script, 1, min_accuracy)
-    assert result.stdout.count("epoch ") >= len(read_metrics(output_dir))  # one line per epoch
+    assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == len(read_metrics(output_dir))  # one line per epoch
     assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in result.stdout
 
 
