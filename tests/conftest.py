@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 # What the scripts' processes get (script_env), set before anything imports torch.
@@ -240,6 +241,11 @@ def latest_checkpoint(folder):
     """The newest complete checkpoint in a checkpoints folder, or None."""
     found = checkpoints_in(folder)
     return found[-1] if found else None
+
+
+def processes_naming(path):
+    """The processes whose command line names `path` (a test's folder): those a launch left running."""
+    return [process for process in psutil.process_iter(["cmdline"]) if str(path) in " ".join(process.info["cmdline"] or [])]
 
 
 def read_state(checkpoint):

@@ -8,9 +8,7 @@ import json
 import sys
 import time
 
-import psutil
-
-from conftest import CONFIGS, REPO, SCRIPTS, new_interpreter_env, run
+from conftest import CONFIGS, REPO, SCRIPTS, new_interpreter_env, processes_naming, run
 
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks' own modules, for the tests that read them
@@ -20,6 +18,7 @@ def test_the_baselines_build_the_optimizer_each_script_builds():
     """The baselines train each script's model with the optimizer its main() builds, which they name."""
     from baselines import OPTIMIZERS
 
+    assert set(OPTIMIZERS) == {"seq_net.py", "mnist_conv.py", "cpu_gloo.py"}
     for script, optimizer in OPTIMIZERS.items():
         assert f"optimizer = torch.optim.{optimizer.__name__}(model.parameters(), lr=args.lr)" in (SCRIPTS / script).read_text()
 
@@ -85,12 +84,10 @@ def test_a_launch_stopped_at_its_target_ends_with_every_training_process(tmp_pat
     records, _ = time_to_accuracy.timed_epochs(command, output_dir, 2, stop=lambda record: True)
     assert records and records[0]["world_size"] == 2
 
-    def still_training():
-        return [process for process in psutil.process_iter(["cmdline"]) if str(output_dir) in " ".join(process.info["cmdline"] or [])]
     deadline = time.monotonic() + 10
-    while still_training() and time.monotonic() < deadline:
+    while processes_naming(output_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not still_training()
+    assert not processes_naming(output_dir)
 
 
 def test_step_cost_benchmark_times_every_loop():

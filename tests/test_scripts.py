@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, python, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, processes_naming, python, python_command, read_metrics, run, script_env
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -312,6 +312,7 @@ def test_ctrl_c_stops_every_process_with_one_line(num_processes, data_dir, tmp_p
     assert read_metrics(tmp_path / "run")[0]["world_size"] == num_processes
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr and "error:" not in stderr, stderr
     assert stderr.count("Stopped by Ctrl-C.") == 1, stderr
+    assert not processes_naming(tmp_path), "every process of the launch ended"
 
 
 def test_ctrl_c_that_reaches_a_process_after_it_lost_a_peer_ends_in_the_same_line(tmp_path):
