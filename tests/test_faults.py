@@ -180,6 +180,45 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
     assert_ends_like(reference, moved)
 
 
+def assert_write_failed(failed, path, advice):
+    """One process or both stopped with one sentence naming `path`, the cause and `advice`; the cause returned."""
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: Could not write {path} (") and line.endswith(f"): free space or fix the folder, {advice}"), line
+    return line.removeprefix(f"error: Could not write {path} (")
+
+
+def test_a_record_or_first_checkpoint_that_cannot_be_written_stops_the_run_in_one_sentence(small_data, tmp_path):
+    """The epoch's record, which the main process alone writes, behind a link into a folder that does not
+    exist; the first checkpoint where a file stands in for the checkpoints folder: both processes stop, and
+    the sentence says how to go on from what the run has saved so far."""
+    flags = ["--data_dir", small_data, "--batch_size", "64", "--num_epochs", "1"]
+    (tmp_path / "record").mkdir()
+    (tmp_path / "record" / "metrics.jsonl").symlink_to(tmp_path / "gone" / "metrics.jsonl")
+    failed = run(training_command(2, "--output_dir", tmp_path / "record", *flags), cwd=tmp_path, check=False)
+    cause = assert_write_failed(failed, tmp_path / "record" / "metrics.jsonl", "then resume with --resume_from_checkpoint latest "
+                                "(without checkpoints: train again with --overwrite_output_dir).")
+    assert cause.startswith("[Errno 2] No such file or directory") and "MB free on its disk): " in cause, cause
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "checkpoints").touch()
+    failed = run(training_command(2, "--output_dir", tmp_path / "checkpoint", *flags, "--checkpointing_steps", "2"), cwd=tmp_path, check=False)
+    cause = assert_write_failed(failed, tmp_path / "checkpoint" / "checkpoints" / "step_00000002",
+                                "then start again: this run saved no checkpoint before.")
+    assert cause.startswith("[Errno 20] Not a directory"), cause
+
+
+def test_a_model_that_does_not_fit_on_the_disk_stops_the_run_in_one_sentence(small_data, tmp_path):
+    """--output_dir on a tmpfs with room for the lock and the records but not the model, which the main
+    process alone writes: both processes stop, and the sentence says how to finish the run."""
+    with small_disk(tmp_path / "disk", 3 * 4096) as disk:
+        failed = run(training_command(2, "--output_dir", disk / "run", "--data_dir", small_data, "--batch_size", "64", "--num_epochs", "1"),
+                     cwd=tmp_path, check=False)
+        cause = assert_write_failed(failed, disk / "run" / "model.safetensors", "then finish the run with --resume_from_checkpoint latest "
+                                    "(without checkpoints: train again with --overwrite_output_dir).")
+        assert "no space left on" in cause.lower() and (disk / "run" / "metrics.jsonl").exists(), cause
+
+
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_processes, small_data, reference, tmp_path):
     """Bytes of a file of the newest checkpoint changed in place, the size kept (its weights; at 2
@@ -211,6 +250,24 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
     assert checkpoint_damage(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not checkpoint_damage(newest)
     assert_ends_like(reference, run_dir)
+
+
+def test_latest_with_every_checkpoint_damaged_stops_in_one_sentence_and_deletes_none(small_data, reference, tmp_path):
+    """Every checkpoint of a run that holds records is damaged: `latest` sets each aside (kept, as
+    damaged_step_N) and stops, rather than train the recorded epochs again from the start."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(1), run_dir)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved
+    saved = checkpoints_in(run_dir / "checkpoints")
+    for checkpoint in saved:
+        (checkpoint / "model.safetensors").write_bytes(b"damaged")
+    failed = run(training_command(1, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
+                 cwd=tmp_path, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert [line for line in failed.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: {run_dir} holds a run but no intact checkpoint to resume: choose another --output_dir, or pass "
+        "--overwrite_output_dir instead of --resume_from_checkpoint."]
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == sorted(f"damaged_{path.name}" for path in saved)
 
 
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):

@@ -553,8 +553,17 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
         assert image.format == "PNG" and image.size == (1500, 400)
         colors = image.convert("RGB").getcolors(maxcolors=1_000_000)
     assert len(colors) > 50, "more than a blank canvas"
-    missing = run([sys.executable, TOOLS / "plot_metrics.py", tmp_path / "nothing", "-o", png], cwd=tmp_path, check=False)
-    assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+    # No records, an empty file, a damaged line before the last: one sentence each.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").touch()
+    shutil.copytree(one, tmp_path / "damaged")
+    (tmp_path / "damaged" / "metrics.jsonl").write_text("not a record\n" + (one / "metrics.jsonl").read_text())
+    for folder, sentence in (("nothing", "metrics.jsonl does not exist: pass run folders that hold a metrics.jsonl."),
+                             ("empty", "metrics.jsonl has no epochs yet: pass a run that finished at least one epoch."),
+                             ("damaged", "metrics.jsonl could not be read (")):
+        failed = run([sys.executable, TOOLS / "plot_metrics.py", tmp_path / folder, "-o", png], cwd=tmp_path, check=False)
+        assert failed.returncode == 1 and failed.stderr.count("error: ") == 1 and "Traceback" not in failed.stderr, failed.stderr
+        assert failed.stderr.startswith(f"error: {tmp_path / folder}/{sentence}"), failed.stderr
     # A run killed while it wrote its last record (or one still writing): its whole epochs are drawn, as the scripts read them.
     with open(one / "metrics.jsonl", "a") as records:
         records.write('{"epoch": 3, "train_lo')

@@ -133,6 +133,10 @@ MISTAKES = {
     "dataset_name without the hub source": (lambda p: cpu_gloo(p, "--dataset_name", "zalando-datasets/fashion_mnist"),
                                             "argument --dataset_name does nothing without --dataset_source hub"),
     "seed beyond numpy's": (lambda p: cpu_gloo(p, "--seed", str(2**32)), "argument --seed: must be from 0 to 4294967295, the seeds numpy takes"),
+    "batch that does not split across the processes, toy_mlp": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "toy_mlp.py", "--batch_size", "5",
+                         "--output_dir", p / "fresh"),
+        "--batch_size 5 does not split evenly across 2 processes: pass a multiple of 2."),
     "negative seed for toy_mlp": (lambda p: python_command("toy_mlp.py", "--seed", "-1", "--output_dir", p / "fresh"),
                                   "argument --seed: must be from 0 to 4294967295, the seeds numpy takes, got -1"),
     "data_dir that is a file": (lambda p: cpu_gloo(p, "--data_dir", p / "a_file"), "a_file is a file, not a folder: pass the folder that holds the data sets"),
@@ -223,6 +227,9 @@ MISTAKES = {
     "resume of a run without checkpoints": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", "latest", output="no_checkpoints"),
                                             "holds a run but no checkpoint to resume"),
     "eval_only without weights": (lambda p: cpu_gloo(p, "--eval_only", output="earlier"), "--eval_only needs --resume_from_checkpoint"),
+    "eval_only of the latest weights of a folder that holds none": (
+        lambda p: cpu_gloo(p, "--eval_only", "--resume_from_checkpoint", "latest"),
+        "fresh holds neither a checkpoint nor a model.safetensors to evaluate: pass the --output_dir of a run, or a path."),
     "eval_only with --profile, which would write no trace": (
         lambda p: cpu_gloo(p, "--eval_only", "--profile", "--resume_from_checkpoint", "latest", output="earlier"),
         "argument --profile does nothing with --eval_only, which trains no step: see cpu_gloo.py --help"),

@@ -186,6 +186,17 @@ def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
             result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)
             assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
             assert result.stderr.count("error: ") == 1 and sentence in result.stderr, result.stderr
+    # A folder without traces; a table whose step_time.json cannot be written (a folder of that name).
+    (tmp_path / "profile" / "trace_rank0.json").unlink()
+    result = run([sys.executable, TOOLS / "plot_trace.py", tmp_path / "profile"], cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"error: {tmp_path / 'profile'} holds no trace_rank*.json: pass the profile/ folder of a run made with --profile."]
+    (tmp_path / "profile" / "trace_rank0.json").write_text(json.dumps(gpu_shaped_trace()))
+    (tmp_path / "profile" / "step_time.json").mkdir()
+    result = run([sys.executable, TOOLS / "step_time.py", tmp_path / "profile"], cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {tmp_path / 'profile' / 'step_time.json'} could not be written ("), \
+        result.stderr
+    assert result.stderr.strip().endswith("): make the folder writable, or copy it to one that is.")
 
 
 def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_dir, tmp_path):
