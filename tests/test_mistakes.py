@@ -101,6 +101,11 @@ MISTAKES = {
     "value of the wrong type": (lambda p: cpu_gloo(p, "--batch_size", "abc"), "argument --batch_size: must be a whole number, got 'abc'"),
     "batch_size 0": (lambda p: cpu_gloo(p, "--batch_size", "0"), "argument --batch_size: must be at least 1, got 0"),
     "negative epochs": (lambda p: cpu_gloo(p, "--num_epochs", "-3"), "argument --num_epochs: must be at least 1, got -3"),
+    "lr that is no number": (lambda p: cpu_gloo(p, "--lr", "abc"), "argument --lr: must be a number, got 'abc'"),
+    "negative workers": (lambda p: cpu_gloo(p, "--num_workers", "-1"), "argument --num_workers: must be 0 or more, got -1"),
+    "decay of 0": (lambda p: cpu_gloo(p, "--gamma", "0"), "argument --gamma: must be greater than 0, got 0"),
+    "accuracy target above 1": (lambda p: cpu_gloo(p, "--early_stopping_target", "1.5"),
+                                "argument --early_stopping_target: must be an accuracy above 0 and at most 1, got 1.5"),
     "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got -0.1"),
     "lr beyond float32": (lambda p: cpu_gloo(p, "--lr", "1e39"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e39"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
@@ -172,7 +177,9 @@ MISTAKES = {
         lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "earlier", "--overwrite_output_dir"),
         "empty/MNIST/raw and could not be downloaded"),
     "truncated data file": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "truncated", "--output_dir", p / "fresh"),
-                            "truncated/MNIST/raw could not be read"),
+                            "truncated/MNIST/raw could not be read (train-images-idx3-ubyte holds 3984 bytes of data where its header says 200704)"),
+    "data file in no MNIST format": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "garbled", "--output_dir", p / "fresh"),
+                                     "garbled/MNIST/raw could not be read (train-images-idx3-ubyte is not an IDX file of unsigned bytes)"),
     # With several processes only the main process reads first; the others must stop with it, not crash.
     "data folder without the files, offline, cpu.yaml as is (4 processes)": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh" / "run"),
