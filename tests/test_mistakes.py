@@ -304,6 +304,14 @@ def test_a_mistake_found_while_a_rank_still_works_with_the_group_ends_in_one_sen
     assert result.stderr.splitlines() == ["error: a mistake found by all 3 processes: fix it."]
 
 
+def test_a_mistake_only_one_rank_finds_is_said_by_that_rank(tmp_path):
+    """Rank 0 goes on with the group and loses its peer: it must not end the run (and the launcher name it)
+    before the rank that found the mistake has said it. Before, rank 0 left first, the launcher stopped the
+    other, and the only line blamed rank 0's lost connection."""
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "alone_in_error.py"), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == ["[rank 1] error: a mistake only rank 1 found: fix it."], result.stderr[-3000:]
+
+
 def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
     (cpu.yaml would start 4, each importing torch before its parser could answer)."""
