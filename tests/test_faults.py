@@ -208,6 +208,20 @@ def test_a_record_or_first_checkpoint_that_cannot_be_written_stops_the_run_in_on
     assert cause.startswith("[Errno 20] Not a directory"), cause
 
 
+def test_records_that_cannot_be_cut_back_on_a_resume_stop_it_in_one_sentence_and_stay_whole(small_data, reference, tmp_path):
+    """A resume cuts metrics.jsonl back to the epochs before its checkpoint through a temporary file; where
+    that cannot be written (a folder in its place), the resume stops in one sentence and the records stay."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(1), run_dir)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved
+    (run_dir / "metrics.jsonl.tmp").mkdir()
+    records = (run_dir / "metrics.jsonl").read_bytes()
+    failed = run(training_command(1, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
+                 cwd=tmp_path, check=False)
+    assert_write_failed(failed, run_dir / "metrics.jsonl", "then resume again.")
+    assert (run_dir / "metrics.jsonl").read_bytes() == records
+
+
 def test_a_model_that_does_not_fit_on_the_disk_stops_the_run_in_one_sentence(small_data, tmp_path):
     """--output_dir on a tmpfs with room for the lock and the records but not the model, which the main
     process alone writes: both processes stop, and the sentence says how to finish the run."""
