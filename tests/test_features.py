@@ -3,6 +3,7 @@ gradient accumulation, the scheduler, tracking, plots, Hub data, torch.compile a
 
 import json
 import shutil
+import socket
 import sqlite3
 import sys
 
@@ -662,3 +663,13 @@ def test_two_machines_train_as_one_group_with_a_disk_each_and_resume_together(da
     for folder in resumed:
         assert_same_weights(weights(single), weights(folder))
     assert_same_records(read_metrics(single), read_metrics(resumed[0]), rel=1e-6)
+
+    # A new run whose folder on machine 1's disk holds that machine's copy of a run: both machines stop
+    # before the first step with machine 1's sentence, and machine 0's new folder goes again.
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder] for folder in (tmp_path / "new", folders[1])])
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: On {socket.gethostname()}: --output_dir {folders[1]} already holds a run (model.safetensors, checkpoints): "
+            "continue it with --resume_from_checkpoint latest, choose another --output_dir, or pass --overwrite_output_dir to replace it."]
+    assert not (tmp_path / "new").exists()
