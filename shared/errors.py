@@ -15,10 +15,10 @@ import torch
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
 LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
-# A rank that fails alone speaks after ALONE_S, unless the launcher stops it first because rank 0 failed too and said
-# it; a survivor of a lost peer leaves after LOST_PEER_S, later, so that the launcher (which goes by whole seconds)
-# sees the lost one first, and a rank that failed alone has spoken before its loss ends the others.
-ALONE_S, LOST_PEER_S = 3, 5
+# A rank that fails alone speaks after LONE_ERROR_WAIT_S, unless the launcher stops it first because rank 0 failed too
+# and said it; a survivor of a lost peer leaves after LOST_PEER_WAIT_S, later, so that the launcher sees the lost one
+# end first (and names it), and a rank that failed alone has spoken before its loss ends the others.
+LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
                    "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
@@ -66,12 +66,12 @@ def run_main(main):
             if not (torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
                 raise
             # Another process, or the network to it, is gone: this survivor leaves with a code that tells the
-            # launcher it is not the cause, LOST_PEER_S later.
+            # launcher it is not the cause, LOST_PEER_WAIT_S later.
             print_traceback_if_asked()
             if "imed out" in str(error):
                 print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
                       file=sys.stderr, flush=True)
-            time.sleep(LOST_PEER_S)
+            time.sleep(LOST_PEER_WAIT_S)
             exit_now(LOST_PEER_EXIT_CODE)
     except KeyboardInterrupt:
         # The launcher passes Ctrl-C on process by process: it can reach this one while it handles another's loss.
@@ -92,9 +92,11 @@ def end_in_its_sentence(error):
         print(f"error: {error}", file=sys.stderr, flush=True)
     leave_process_group_together()
     if rank and not error.every_process:
-        # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank that
-        # fails alone still speaks.
-        time.sleep(ALONE_S)
+        # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits (its SIGTERM must end
+        # this wait, not set preemption's trigger); a rank that fails alone still speaks.
+        for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(stop_signal, signal.SIG_DFL)
+        time.sleep(LONE_ERROR_WAIT_S)
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
 
 

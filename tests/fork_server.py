@@ -150,6 +150,9 @@ def start(connection, own_files, log):
                 or (uid, gid) != (os.getuid(), os.getgid()) or not same_context(peer)):
             reply(connection, {"new_interpreter": True})
             return None
+        # Logged before the fork: a fork whose line could not be written would run unwatched, and the command twice.
+        with open(log, "a") as forked:  # one short write in append mode: the servers' lines never mix
+            forked.write(json.dumps(request["argv"]) + "\n")
         pid = os.fork()
         if pid == 0:  # become() ends with the command's exit code; any other way out of it ends the fork here
             try:
@@ -164,8 +167,6 @@ def start(connection, own_files, log):
     finally:
         for fd in fds:
             os.close(fd)
-    with open(log, "a") as forked:  # one short write in append mode: the servers' lines never mix
-        forked.write(json.dumps(request["argv"]) + "\n")
     reply(connection, {"pid": pid})
     connection.settimeout(None)
     return pid

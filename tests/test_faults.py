@@ -166,7 +166,7 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
         assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
         saved = checkpoints_in(output_dir / "checkpoints")
         assert [path.name for path in saved] == ["step_00000050", "step_00000100"]
-        (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+        (line,) = error_lines(failed.stderr)
         assert line.startswith(f"error: Could not write {output_dir / 'checkpoints' / 'step_00000150'} (") and line.endswith(
             f"): free space or fix the folder, then resume with --resume_from_checkpoint latest, which is {saved[-1]} and complete."), line
         assert "no space left on" in line.lower(), line  # the cause, in the sentence itself
@@ -180,10 +180,15 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
     assert_ends_like(reference, moved)
 
 
+def error_lines(stderr):
+    """Every error line, from `error: ` on: rank 0's, and any other rank's `[rank N] error: ` (one said twice)."""
+    return [line[line.index("error: "):] for line in stderr.splitlines() if "error: " in line]
+
+
 def assert_write_failed(failed, path, advice):
     """One process or both stopped with one sentence naming `path`, the cause and `advice`; the cause returned."""
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    (line,) = error_lines(failed.stderr)
     assert line.startswith(f"error: Could not write {path} (") and line.endswith(f"): free space or fix the folder, {advice}"), line
     return line.removeprefix(f"error: Could not write {path} (")
 
@@ -278,17 +283,20 @@ def test_latest_with_every_checkpoint_damaged_stops_in_one_sentence_and_deletes_
     failed = run(training_command(1, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
                  cwd=tmp_path, check=False)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-    assert [line for line in failed.stderr.splitlines() if line.startswith("error:")] == [
+    assert error_lines(failed.stderr) == [
         f"error: {run_dir} holds a run but no intact checkpoint to resume: choose another --output_dir, or pass "
         "--overwrite_output_dir instead of --resume_from_checkpoint."]
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == sorted(f"damaged_{path.name}" for path in saved)
 
 
-def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentence(small_data, reference, tmp_path):
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentence(num_processes, small_data, reference, tmp_path):
     """A model.safetensors cut short, with its digest recorded again to match (a checkpoint damaged
-    before it was hashed, or a state file rewritten by hand): the load fails, in one sentence."""
+    before it was hashed, or a state file rewritten by hand): the load fails on every process, and the
+    sentence is said once (rank 1, which waits to say it should rank 0 not, is stopped by the launcher
+    first, though preemption's handler of SIGTERM is installed)."""
     run_dir = tmp_path / "run"
-    shutil.copytree(reference(1), run_dir)
+    shutil.copytree(reference(num_processes), run_dir)
     (run_dir / "model.safetensors").unlink()  # killed before its model was saved
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     weights_file = checkpoint / "model.safetensors"
@@ -296,10 +304,10 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
     state = read_state(checkpoint)
     state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    failed = run(training_command(1, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
-                 cwd=tmp_path, check=False)
+    failed = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint",
+                                  "latest"), cwd=tmp_path, check=False)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    (line,) = error_lines(failed.stderr)
     assert line.startswith(f"error: Checkpoint {checkpoint} could not be loaded (") and line.endswith("): resume from an earlier one."), line
 
 

@@ -58,7 +58,7 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
 
 def scripts_of(commands):
     """The file name of the script each `python` command runs."""
-    return [Path(next(part for part in command if part.endswith(".py"))).name for command in commands]
+    return [Path(next((part for part in command if part.endswith(".py")), " ".join(command))).name for command in commands]
 
 
 def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_was_given(tmp_path):

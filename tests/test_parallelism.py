@@ -24,8 +24,7 @@ def assert_same_training(runs):
     first, *others = runs
     for other in others:
         assert_same_weights(weights(first), weights(other), exact=False)
-        assert len(read_metrics(first)) == len(read_metrics(other))
-        for left, right in zip(read_metrics(first), read_metrics(other)):
+        for left, right in zip(read_metrics(first), read_metrics(other), strict=True):
             assert left["train_samples_seen"] == right["train_samples_seen"] == 2000
             assert (left["step"], left["lr"]) == (right["step"], right["lr"])
             assert left["train_loss"] == pytest.approx(right["train_loss"], rel=1e-5)

@@ -88,7 +88,7 @@ def finish(job, timeout):
 
 
 @pytest.fixture(scope="module")
-def reference(small_data, tmp_path_factory):
+def reference(small_data, tmp_path_factory, fork_servers):
     """The run an interrupted one must end like: cpu_gloo.py with FLAGS at 2 processes, never stopped and
     saving no checkpoint (saving them changes nothing: test_features.py)."""
     output_dir = tmp_path_factory.mktemp("reference") / "run"
@@ -362,7 +362,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, "--resume_from_checkpoint", "latest")
     outputs = [finish(machine, 240) for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    assert f"Resumed from {cut / 'checkpoints' / 'step_00000020'}: epoch 1, " in outputs[0][0], "the newest before the cut, at step 30"
+    assert f"Resumed from {cut / 'checkpoints' / 'step_00000020'}: epoch 1, " in outputs[0][0], "step 20, the newest before the cut at step 30"
     assert_world_size(cut)
     assert_same_weights(weights(single), weights(cut))
 

@@ -321,7 +321,7 @@ def test_ctrl_c_that_reaches_a_process_after_it_lost_a_peer_ends_in_the_same_lin
     job = subprocess.Popen([python(), REPO / "tests" / "probes" / "lost_peer_then_ctrl_c.py"], cwd=tmp_path,
                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert job.stdout.readline() == "lost a peer\n"
-    job.send_signal(signal.SIGINT)  # run_main waits 2 s before it leaves a lost group
+    job.send_signal(signal.SIGINT)  # run_main waits LOST_PEER_WAIT_S before it leaves a lost group
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 130
     assert stderr.splitlines() == ["Stopped by Ctrl-C."], stderr

@@ -11,7 +11,7 @@ def main():
     accelerator = Accelerator(cpu=cpu_only())
     if accelerator.process_index == accelerator.num_processes - 1:
         raise UserError(f"a mistake only rank {accelerator.process_index} found: fix it.")
-    for _ in range(3):
+    for _ in range(3):  # the first meets the failing rank's barrier as it leaves the group; the next find it gone
         accelerator.wait_for_everyone()
 
 
