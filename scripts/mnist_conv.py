@@ -114,6 +114,7 @@ def main(argv=None):
     set_seed(args.seed)
     # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
     agreement.check(accelerator, vars(args))
+    flags.check_precision(accelerator)  # every process: fp16 on the CPU would quietly train in fp32
     # --batch_size samples per step, split across the processes: any world size trains the same model.
     batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not

@@ -127,6 +127,14 @@ def batch_size_per_process(batch_size, num_processes, split):
     return batch_size // num_processes
 
 
+def check_precision(accelerator):
+    """Stop when fp16 would run on the CPU: accelerate then trains in fp32, without autocast and without a
+    word, and every record would say fp16."""
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise UserError("Mixed precision fp16 (--mixed_precision, or the launch profile's) runs only on a GPU; on the CPU accelerate "
+                        "would train in fp32 all the same: pass --mixed_precision bf16, which the CPU runs, or no.", every_process=True)
+
+
 def check_accumulation(accumulation_steps, batches_per_epoch):
     """Stop when one accumulation window would be longer than an epoch: accelerate ends the window at
     the epoch's end and divides by the whole window, so every epoch would take one small step."""

@@ -110,6 +110,10 @@ MISTAKES = {
     "lr beyond float32": (lambda p: cpu_gloo(p, "--lr", "1e39"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e39"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
+    "fp16 on the CPU, which accelerate would run in fp32": (
+        lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp16", SCRIPTS / "cpu_gloo.py",
+                         "--data_dir", p / "data", "--output_dir", p / "fresh"),
+        "Mixed precision fp16 (--mixed_precision, or the launch profile's) runs only on a GPU; on the CPU accelerate would train in fp32"),
     "batch that does not split across the processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
