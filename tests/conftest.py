@@ -243,6 +243,17 @@ def latest_checkpoint(folder):
     return found[-1] if found else None
 
 
+def error_lines(stderr):
+    """Every error line, from `error: ` on: rank 0's, and any other rank's `[rank N] error: ` (one said twice)."""
+    return [line[line.index("error: "):] for line in stderr.splitlines() if "error: " in line]
+
+
+def folder_snapshot(root):
+    """Every file and folder under root, files by content: what a run that must touch nothing there leaves as it was."""
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
+            for path in sorted(Path(root).rglob("*"))}
+
+
 def processes_naming(path):
     """The processes whose command line names `path` (a test's folder): those a launch left running."""
     return [process for process in psutil.process_iter(["cmdline"]) if str(path) in " ".join(process.info["cmdline"] or [])]

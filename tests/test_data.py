@@ -16,7 +16,7 @@ import torch
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import TensorDataset
 
-from conftest import CONFIGS, SCRIPTS, TOOLS, python_command, read_metrics, run, script_env, small_disk
+from conftest import CONFIGS, SCRIPTS, TOOLS, error_lines, python_command, read_metrics, run, script_env, small_disk
 from shared import mnist_data
 from shared.errors import UserError
 from shared.in_memory_loader import InMemoryLoader
@@ -63,7 +63,7 @@ def test_truncated_file_ends_in_one_sentence(tmp_path):
     path.write_bytes(path.read_bytes()[:5000])
     result = run(python_command("mnist_conv.py", "--data_dir", tmp_path / "data", "--output_dir", tmp_path / "run"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    (line,) = error_lines(result.stderr)
     assert line.startswith(f"error: The MNIST files in {raw} could not be read"), result.stderr[-2000:]
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -178,11 +178,6 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
                   cwd=tmp_path)
     assert f"Resumed from {moved / 'checkpoints' / 'step_00000100'}: epoch " in resumed.stdout, resumed.stdout[-2000:]
     assert_ends_like(reference, moved)
-
-
-def error_lines(stderr):
-    """Every error line, from `error: ` on: rank 0's, and any other rank's `[rank N] error: ` (one said twice)."""
-    return [line[line.index("error: "):] for line in stderr.splitlines() if "error: " in line]
 
 
 def assert_write_failed(failed, path, advice):
@@ -389,13 +384,12 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
         for process in [launcher, *launcher.children(recursive=True)]:  # paused, alive, holding its folder: the cores go to the launches below
             process.suspend()
         for extra in (["--overwrite_output_dir"], []):
-            before = {path: path.read_bytes() if path.is_file() else None for path in output_dir.rglob("*")}
+            before = folder_snapshot(output_dir)
             second = run(training_command(num_processes, *args, *extra), cwd=tmp_path, check=False)
             assert second.returncode == 1 and "Traceback" not in second.stderr
             assert f"error: --output_dir {output_dir} is in use by a run still going (host {os.uname().nodename}, process {holder.pid}): " \
                    "wait for it to end, stop it, or choose another --output_dir." in second.stderr
-            assert {path: path.read_bytes() if path.is_file() else None for path in output_dir.rglob("*")} == before, \
-                "every file of the live run's folder is as it was"
+            assert folder_snapshot(output_dir) == before, "every file of the live run's folder is as it was"
             assert live.poll() is None, "the live run goes on"
     finally:
         for process in [*launcher.children(recursive=True), launcher]:

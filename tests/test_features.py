@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, launch_command, python_command, read_metrics, run, script_env, two_machines
+from conftest import SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, error_lines, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -613,7 +613,7 @@ def test_hub_source_offline_ends_in_one_sentence(tmp_path):
     result = run(python_command("mnist_conv.py", "--data_dir", tmp_path, "--output_dir", tmp_path / "run",
                                 "--dataset_source", "hub"), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    (line,) = error_lines(result.stderr)
     assert line.startswith("error: ylecun/mnist could not be loaded from the Hugging Face Hub"), result.stderr[-2000:]
 
 
@@ -669,7 +669,7 @@ def test_two_machines_train_as_one_group_with_a_disk_each_and_resume_together(da
     results = two_machines(tmp_path, [[*flags, "--output_dir", folder] for folder in (tmp_path / "new", folders[1])])
     for result in results:
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        assert error_lines(result.stderr) == [
             f"error: On {socket.gethostname()}: --output_dir {folders[1]} already holds a run (model.safetensors, checkpoints): "
             "continue it with --resume_from_checkpoint latest, choose another --output_dir, or pass --overwrite_output_dir to replace it."]
     assert not (tmp_path / "new").exists()

@@ -1,7 +1,6 @@
 """Mistakes a user makes end with a non-zero exit, one sentence that says what to do, no stack
 trace, and the files of an earlier run in the same place unchanged."""
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, SCRIPTS, free_port, python_command, run, script_env
+from conftest import CONFIGS, SCRIPTS, error_lines, folder_snapshot, free_port, python_command, run, script_env
 from synthetic_digits import write_small_mnist
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
@@ -59,15 +58,6 @@ def place(tmp_path_factory, fork_servers):
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
     return root
-
-
-def snapshot(root):
-    """Every file and folder in the working folder: the earlier runs and the broken things the mistakes
-    point at, files by content (a script must not delete or rewrite the bad file it was given either)."""
-    return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
-        for path in sorted(root.rglob("*"))
-    }
 
 
 def cpu_gloo(p, *args, output="fresh"):
@@ -265,17 +255,17 @@ MISTAKES = {
 @pytest.mark.parametrize("mistake", [name for name, (_, text) in MISTAKES.items() if text])
 def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     command, text = MISTAKES[mistake]
-    before = snapshot(place)
+    before = folder_snapshot(place)  # the earlier runs and the bad files the mistakes point at, which must not change either
     result = run(command(place), cwd=place, check=False)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
-    lines = [line.split("error: ", 1)[1] for line in result.stderr.splitlines() if "error: " in line]
+    lines = [line.removeprefix("error: ") for line in error_lines(result.stderr)]
     assert len(lines) == 1, "one sentence, said once: " + result.stderr[-3000:]
     errors = set(lines)
     sentence = errors.pop()
     assert text in sentence
     assert ": " in sentence and sentence.endswith("."), "what went wrong, then what to do"
-    assert snapshot(place) == before, "the earlier runs' files unchanged, and no folder left behind (fresh/run: nor its parent)"
+    assert folder_snapshot(place) == before, "the earlier runs' files unchanged, and no folder left behind (fresh/run: nor its parent)"
 
 
 def test_the_advice_for_a_folder_holding_a_run_names_only_what_works(place):
