@@ -113,6 +113,11 @@ def forked_commands():
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+def scripts_of(commands):
+    """The file name of the script each `python` command (of forked_commands) runs."""
+    return [Path(next((part for part in command if part.endswith(".py")), " ".join(command))).name for command in commands]
+
+
 def script_env():
     """The environment of a script's process: this one's, which SCRIPT_ENV was applied to above, and
     where the test allows it, the fork client as torchrun's Python."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, small_disk, two_machines
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -180,6 +180,12 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
     assert_ends_like(reference, moved)
 
 
+def assert_two_ranks_trained(result):
+    """The run's first logged batch names the losses of ranks 0 and 1: it trained as one group of 2."""
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("Epoch 1, batch 0, loss by rank: ")]
+    assert [part.split(": ")[0] for part in line.split("loss by rank: ")[1].split("  ")] == ["0", "1"], line
+
+
 def assert_write_failed(failed, path, advice):
     """One process or both stopped with one sentence naming `path`, the cause and `advice`; the cause returned."""
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
@@ -199,6 +205,7 @@ def test_a_record_or_first_checkpoint_that_cannot_be_written_stops_the_run_in_on
     cause = assert_write_failed(failed, tmp_path / "record" / "metrics.jsonl", "then resume with --resume_from_checkpoint latest "
                                 "(without checkpoints: train again with --overwrite_output_dir).")
     assert cause.startswith("[Errno 2] No such file or directory") and "MB free on its disk): " in cause, cause
+    assert_two_ranks_trained(failed)
 
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "checkpoints").touch()
@@ -206,6 +213,7 @@ def test_a_record_or_first_checkpoint_that_cannot_be_written_stops_the_run_in_on
     cause = assert_write_failed(failed, tmp_path / "checkpoint" / "checkpoints" / "step_00000002",
                                 "then start again: this run saved no checkpoint before.")
     assert cause.startswith("[Errno 20] Not a directory"), cause
+    assert_two_ranks_trained(failed)
 
 
 def test_records_that_cannot_be_cut_back_on_a_resume_stop_it_in_one_sentence_and_stay_whole(small_data, reference, tmp_path):
@@ -230,7 +238,8 @@ def test_a_model_that_does_not_fit_on_the_disk_stops_the_run_in_one_sentence(sma
                      cwd=tmp_path, check=False)
         cause = assert_write_failed(failed, disk / "run" / "model.safetensors", "then finish the run with --resume_from_checkpoint latest "
                                     "(without checkpoints: train again with --overwrite_output_dir).")
-        assert "no space left on" in cause.lower() and (disk / "run" / "metrics.jsonl").exists(), cause
+        assert "no space left on" in cause.lower(), cause
+        assert [record["world_size"] for record in read_metrics(disk / "run")] == [2]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
@@ -299,8 +308,10 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
     state = read_state(checkpoint)
     state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    before = len(forked_commands())
     failed = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint",
                                   "latest"), cwd=tmp_path, check=False)
+    assert scripts_of(forked_commands()[before:]).count("cpu_gloo.py") == num_processes, "as many training processes as launched"
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     (line,) = error_lines(failed.stderr)
     assert line.startswith(f"error: Checkpoint {checkpoint} could not be loaded (") and line.endswith("): resume from an earlier one."), line

@@ -6,12 +6,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import forked_commands, forks, launch_command, new_interpreter_env, python_command, read_metrics, run, script_env
+from conftest import forked_commands, forks, scripts_of, launch_command, new_interpreter_env, python_command, read_metrics, run, script_env
 from test_features import assert_same_records, assert_same_weights, weights
 
 
@@ -54,11 +53,6 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
     assert_same_weights(weights(runs["forked"]), weights(runs["fresh"]))
     assert_same_records(read_metrics(runs["forked"]), read_metrics(runs["fresh"]))
     assert read_metrics(runs["forked"])[-1]["world_size"] == processes
-
-
-def scripts_of(commands):
-    """The file name of the script each `python` command runs."""
-    return [Path(next((part for part in command if part.endswith(".py")), " ".join(command))).name for command in commands]
 
 
 def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_was_given(tmp_path):
