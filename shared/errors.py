@@ -15,9 +15,10 @@ import torch
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
 LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
-# A rank that fails alone speaks after LONE_ERROR_WAIT_S, unless the launcher stops it first because rank 0 failed too
-# and said it; a survivor of a lost peer leaves after LOST_PEER_WAIT_S, later, so that the launcher sees the lost one
-# end first (and names it), and a rank that failed alone has spoken before its loss ends the others.
+# A rank that does not say its error leaves after LONE_ERROR_WAIT_S (one that failed alone speaks then), unless the
+# launcher stops it first because the rank that says it has; a survivor of a lost peer leaves after LOST_PEER_WAIT_S,
+# later, so that the launcher sees the lost one end first (and names it), and a rank that failed alone has spoken
+# before its loss ends the others.
 LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
@@ -88,16 +89,19 @@ def end_in_its_sentence(error):
     remove_what_the_failed_run_made()
     print_traceback_if_asked()
     # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
-    if rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0):
+    speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    if speaks:
         print(f"error: {error}", file=sys.stderr, flush=True)
     leave_process_group_together()
-    if rank and not error.every_process:
-        # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits (its SIGTERM must end
-        # this wait, not set preemption's trigger); a rank that fails alone still speaks.
+    if not speaks:
+        # The launcher stops every process once one exits: this one waits, so that the process that says it
+        # has done so first (before the process group forms, nothing else waits for it), and the launcher's
+        # SIGTERM ends the wait, not sets preemption's trigger. A rank that fails alone then speaks itself.
         for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(stop_signal, signal.SIG_DFL)
         time.sleep(LONE_ERROR_WAIT_S)
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        if not error.every_process:
+            print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
 
 
 def print_traceback_if_asked():

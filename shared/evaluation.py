@@ -2,6 +2,7 @@
 accuracy printed and saved as eval.json."""
 
 import json
+import os
 from pathlib import Path
 
 from accelerate.utils import gather_object
@@ -21,7 +22,8 @@ def weights_to_evaluate(accelerator, spec, output_dir):
     if not spec:
         raise UserError("--eval_only needs --resume_from_checkpoint: a checkpoint folder, 'latest' or a model.safetensors file.",
                         every_process=True)
-    if spec != "latest" and stop_together.on_main_process(accelerator, lambda: Path(spec).is_file()):
+    # os.path.isfile: False for a file in a folder this user cannot enter, which named_checkpoint then says.
+    if spec != "latest" and stop_together.on_main_process(accelerator, lambda: os.path.isfile(spec)):
         return Path(spec), True
     checkpoint = first_intact(accelerator, output_dir, spec)
     if spec != "latest":

@@ -306,6 +306,15 @@ def test_a_mistake_only_one_rank_finds_is_said_by_that_rank(tmp_path):
     assert result.returncode == 1 and result.stderr.splitlines() == ["[rank 1] error: a mistake only rank 1 found: fix it."], result.stderr[-3000:]
 
 
+def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path):
+    """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
+    nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
+    ended in silence. The ranks that do not say it now wait for the one that does."""
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "late_to_a_shared_mistake.py"),
+                 cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == ["error: a mistake every rank found: fix it."], result.stderr[-3000:]
+
+
 def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
     (cpu.yaml would start 4, each importing torch before its parser could answer)."""
@@ -354,16 +363,22 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
     script runs without the capabilities that let root read any folder (setpriv), as an ordinary user would."""
     checkpoint = tmp_path / "colleague" / "run" / "step_00000004"
     shutil.copytree(checkpoint_of(place, "earlier"), checkpoint)
+    model_file = checkpoint.parent / "model.safetensors"  # --eval_only's other kind of weights; before, a traceback
+    shutil.copy(place / "earlier" / "model.safetensors", model_file)
     no_root_reading = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
-    for locked, denied in ((checkpoint, checkpoint / "checkpoints"), (checkpoint.parent, checkpoint)):  # the folder, or the one it is in
+    for locked, named, denied, flags in (
+            (checkpoint, checkpoint, checkpoint / "checkpoints", []),  # the folder, or the one it is in
+            (checkpoint.parent, checkpoint, checkpoint, []),
+            (checkpoint.parent, model_file, model_file, ["--eval_only"])):
         locked.chmod(0o000)
         try:
-            result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", checkpoint, output=tmp_path / "mine"), cwd=tmp_path, check=False)
+            result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", named, *flags, output=tmp_path / "mine"),
+                         cwd=tmp_path, check=False)
         finally:
             locked.chmod(0o755)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert result.stderr.splitlines() == [
-            f"error: Checkpoint {checkpoint} could not be read ([Errno 13] Permission denied: '{denied}'): give yourself "
+            f"error: Checkpoint {named} could not be read ([Errno 13] Permission denied: '{denied}'): give yourself "
             "read access to it, or copy it to a folder you can read."]
         assert not (tmp_path / "mine").exists()
 
