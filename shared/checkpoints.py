@@ -127,8 +127,8 @@ class Checkpoints:
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
         folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
         `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
-        epochs but no intact checkpoint, or has finished, stops with a sentence. It changes nothing in the
-        folder: branch_at does, once nothing else can refuse the resume."""
+        epochs but no intact checkpoint, or has finished, stops with a sentence. The checkpoints after the one
+        resumed stay where they are: branch_at sets them aside, once nothing else can refuse the resume."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._check_nothing_to_resume)
