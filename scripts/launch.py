@@ -273,9 +273,12 @@ def runs_under_torchrun(args):
 
 def main():
     args = launch_command_parser().parse_args()
-    if not (args.module or args.no_python or Path(args.training_script).is_file()):
-        fail(f"Training script {args.training_script} does not exist: pass the path of one of the files in scripts/.")
+    if not (args.module or args.no_python or os.path.isfile(args.training_script)):  # os.path: False in a folder this user cannot enter
+        fail(f"Training script {args.training_script} does not exist, or is in a folder you cannot read: pass the path of one of "
+             "the files in scripts/.")
     config = check_profile(args.config_file, args.cpu) if args.config_file else None
+    if (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8":  # else accelerate's traceback, or a run the scripts refuse
+        fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
     if not (args.module or args.no_python):
         check_script_flags(args.training_script, args.training_script_args)
 

@@ -112,14 +112,17 @@ def main(argv=None):
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed))
     set_seed(args.seed)
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():  # found now, not after training
+    # Found now, not after training (os.path: no PermissionError for a folder inside one this user cannot enter).
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.", every_process=True)
-    if (output_dir / "metrics.jsonl").exists() or (output_dir / "model.safetensors").exists():  # never write over earlier results
+    if os.path.exists(output_dir / "metrics.jsonl") or os.path.exists(output_dir / "model.safetensors"):  # never write over earlier results
         raise UserError(f"--output_dir {output_dir} already holds a run: choose another --output_dir.", every_process=True)
     try:
         make_folders(output_dir)  # every process, before training; a failed run removes the folders it made
     except OSError as error:
         raise UserError(f"--output_dir {output_dir} could not be made ({first_line(error)}): choose another --output_dir.", every_process=True) from None
+    if not os.access(output_dir, os.W_OK):
+        raise UserError(f"--output_dir {output_dir} is a folder you cannot write in: choose another --output_dir.", every_process=True)
     # --batch_size rows per step, split across the processes: any world size takes the same steps on the same rows.
     if args.batch_size % accelerator.num_processes:
         raise UserError(f"--batch_size {args.batch_size} does not split evenly across {accelerator.num_processes} processes: "

@@ -30,7 +30,7 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
     data sets that apply them per sample, as the tutorials do. ToTensor scales pixels to [0, 1] and
     Normalize centres them (unless not `normalize`); nothing divides by 255 again."""
     stats = PIXEL_STATS[name] if normalize else None
-    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):  # os.path: no PermissionError in a folder this user cannot enter
         raise UserError(f"--data_dir {data_dir} is a file, not a folder: pass the folder that holds the data sets, "
                         "or an empty one to download them into.")
     transform = None

@@ -88,7 +88,7 @@ def prepare(accelerator, output_dir, *, overwrite, resuming):
 
 def _take(output_dir, replace, resuming):
     """Lock output_dir for this run and check what it holds; returns what the lock file now says."""
-    if output_dir.exists() and not output_dir.is_dir():
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):  # os.path: no PermissionError in a folder this user cannot enter
         raise UserError(f"--output_dir {output_dir} is a file, not a folder: choose another --output_dir.")
     try:
         make_folders(output_dir)

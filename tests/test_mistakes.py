@@ -1,6 +1,7 @@
 """Mistakes a user makes end with a non-zero exit, one sentence that says what to do, no stack
 trace, and the files of an earlier run in the same place unchanged."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,10 @@ def checkpoint_of(p, run_name):
     return p / run_name / "checkpoints" / "step_00000004"
 
 
+# A command's prefix that runs it without the capabilities that let root read and write any folder, as an ordinary user.
+NO_ROOT_READING = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
+
+
 # id -> (command, text the one sentence must contain)
 MISTAKES = {
     "profile that does not exist": (lambda p: launch("--config_file", p / "nope.yaml", SCRIPTS / "cpu_gloo.py"),
@@ -100,6 +105,9 @@ MISTAKES = {
     "lr beyond float32": (lambda p: cpu_gloo(p, "--lr", "1e39"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e39"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
+    "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
+                                                  SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+                                 "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
     "fp16 on the CPU, which accelerate would run in fp32": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp16", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
@@ -365,14 +373,13 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
     shutil.copytree(checkpoint_of(place, "earlier"), checkpoint)
     model_file = checkpoint.parent / "model.safetensors"  # --eval_only's other kind of weights; before, a traceback
     shutil.copy(place / "earlier" / "model.safetensors", model_file)
-    no_root_reading = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
     for locked, named, denied, flags in (
             (checkpoint, checkpoint, checkpoint / "checkpoints", []),  # the folder, or the one it is in
             (checkpoint.parent, checkpoint, checkpoint, []),
             (checkpoint.parent, model_file, model_file, ["--eval_only"])):
         locked.chmod(0o000)
         try:
-            result = run(no_root_reading + cpu_gloo(place, "--resume_from_checkpoint", named, *flags, output=tmp_path / "mine"),
+            result = run(NO_ROOT_READING + cpu_gloo(place, "--resume_from_checkpoint", named, *flags, output=tmp_path / "mine"),
                          cwd=tmp_path, check=False)
         finally:
             locked.chmod(0o755)
@@ -381,6 +388,42 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
             f"error: Checkpoint {named} could not be read ([Errno 13] Permission denied: '{denied}'): give yourself "
             "read access to it, or copy it to a folder you can read."]
         assert not (tmp_path / "mine").exists()
+
+
+@pytest.mark.parametrize("mistake", ["data_dir", "output_dir", "output_dir, toy_mlp", "read-only output_dir, toy_mlp", "script"])
+def test_a_folder_this_user_cannot_enter_or_write_in_ends_in_one_sentence(place, tmp_path, mistake):
+    """A --data_dir, --output_dir or script inside a colleague's drwx------ folder: pathlib's exists() and
+    is_file() raise PermissionError there (os.path's say False), which ended in a traceback; toy_mlp.py
+    in a folder it cannot write in trained, then failed at its first record. Run without root's
+    capabilities, as an ordinary user would."""
+    locked, read_only = tmp_path / "colleague", tmp_path / "read_only"
+    locked.mkdir()
+    read_only.mkdir()
+    shutil.copy(SCRIPTS / "toy_mlp.py", locked / "train.py")
+    command, sentence = {
+        "data_dir": (cpu_gloo(place, "--data_dir", locked / "data", output=tmp_path / "mine"),
+                     f"{locked}/data/MNIST/raw could not be made ([Errno 13] Permission denied: '{locked}/data'): pass a --data_dir that "
+                     "you can write to."),
+        "output_dir": (cpu_gloo(place, output=locked / "run"),
+                       f"--output_dir {locked}/run could not be made or locked ([Errno 13] Permission denied: '{locked}/run'): choose "
+                       "another --output_dir, one you can write to."),
+        "output_dir, toy_mlp": (python_command("toy_mlp.py", "--output_dir", locked / "run"),
+                                f"--output_dir {locked}/run could not be made ([Errno 13] Permission denied: '{locked}/run'): "
+                                "choose another --output_dir."),
+        "read-only output_dir, toy_mlp": (python_command("toy_mlp.py", "--output_dir", read_only),
+                                          f"--output_dir {read_only} is a folder you cannot write in: choose another --output_dir."),
+        "script": (launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", locked / "train.py"),
+                   f"Training script {locked}/train.py does not exist, or is in a folder you cannot read: pass the path of one of the "
+                   "files in scripts/."),
+    }[mistake]
+    locked.chmod(0o000)
+    read_only.chmod(0o555)
+    try:
+        result = run(NO_ROOT_READING + [str(part) for part in command], cwd=tmp_path, check=False)
+    finally:
+        locked.chmod(0o755)
+    assert result.returncode == 1 and result.stderr.splitlines() == [f"error: {sentence}"], result.stderr[-3000:]
+    assert not (tmp_path / "mine").exists() and os.listdir(read_only) == [] and os.listdir(locked) == ["train.py"]
 
 
 def test_a_checkpoint_through_a_linked_checkpoints_folder_continues_its_run(place, tmp_path):
