@@ -53,11 +53,9 @@ class Checkpoints:
         self.writes = writes_here(accelerator)
 
     def due(self, step):
-        """Whether --checkpointing_steps N asks for a save after this optimizer step."""
         return isinstance(self.every, int) and step % self.every == 0
 
     def due_after_epoch(self, whole_epoch):
-        """Whether --checkpointing_steps epoch asks for one after an epoch (not one --max_train_steps cut short)."""
         return self.every == "epoch" and whole_epoch
 
     @contextlib.contextmanager
@@ -239,10 +237,13 @@ def damage(folder):
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         return f"its {STATE_FILE} cannot be read: {error}"
     for name, digest in recorded.items():
-        if not (folder / name).is_file():
+        try:
+            if sha256(folder / name) != digest:
+                return f"{name} differs from what was saved"
+        except FileNotFoundError:
             return f"{name} is missing"
-        if sha256(folder / name) != digest:
-            return f"{name} differs from what was saved"
+        except OSError as error:  # a file this user cannot read, a folder in its place: no traceback on one process
+            return f"{name} could not be read ({first_line(error)})"
     return None
 
 
