@@ -15,10 +15,9 @@ import torch
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
 LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
-# A rank that does not say its error leaves after LONE_ERROR_WAIT_S (one that failed alone speaks then), unless the
-# launcher stops it first because the rank that says it has; a survivor of a lost peer leaves after LOST_PEER_WAIT_S,
-# later, so that the launcher sees the lost one end first (and names it), and a rank that failed alone has spoken
-# before its loss ends the others.
+# A rank that fails alone speaks after LONE_ERROR_WAIT_S, unless the launcher stops it first because rank 0 failed too
+# and said it; a survivor of a lost peer leaves after LOST_PEER_WAIT_S, later, so that the launcher sees the lost one
+# end first (and names it), and a rank that failed alone has spoken before its loss ends the others.
 LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
@@ -45,10 +44,11 @@ def first_line(error):
 
 
 def run_main(main):
-    """Run a script's main(): a UserError ends the process in its sentence and exit code 1, Stopped in
-    143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made. SHOW_TRACEBACK=1 adds
-    the traceback, for bug reports. The garbage of main() is collected while the interpreter is whole: a
-    gloo group destroyed in interpreter shutdown aborts the process (the scripts' free_memory() too)."""
+    """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see
+    end_in_its_sentence), Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it
+    had made. SHOW_TRACEBACK=1 adds the traceback, for bug reports. The garbage of main() is collected
+    while the interpreter is whole: a gloo group destroyed in interpreter shutdown aborts the process (the
+    scripts' free_memory() too)."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
@@ -56,8 +56,7 @@ def run_main(main):
             main()
             gc.collect()
         except UserError as error:
-            end_in_its_sentence(error)
-            sys.exit(1)
+            sys.exit(end_in_its_sentence(error))
         except Stopped as stopped:
             if rank == 0:
                 print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
@@ -84,7 +83,10 @@ def run_main(main):
 
 
 def end_in_its_sentence(error):
-    """Remove what the failed run made, say the UserError's sentence once, and leave the process group."""
+    """Remove what the failed run made, say the UserError's sentence once, and leave the process group.
+    Returns the exit code: 1, or 0 where another process says a mistake that every process has, since the
+    launcher stops every process at the first non-zero exit, and could stop that one before it has spoken
+    (before the process group forms, nothing else waits for it)."""
     rank = int(os.environ.get("RANK", "0"))
     remove_what_the_failed_run_made()
     print_traceback_if_asked()
@@ -92,16 +94,16 @@ def end_in_its_sentence(error):
     speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if speaks:
         print(f"error: {error}", file=sys.stderr, flush=True)
-    leave_process_group_together()
-    if not speaks:
-        # The launcher stops every process once one exits: this one waits, so that the process that says it
-        # has done so first (before the process group forms, nothing else waits for it), and the launcher's
-        # SIGTERM ends the wait, not sets preemption's trigger. A rank that fails alone then speaks itself.
+    else:  # the launcher's SIGTERM, once the one that speaks has left, ends this process, not sets preemption's trigger
         for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(stop_signal, signal.SIG_DFL)
-        time.sleep(LONE_ERROR_WAIT_S)
-        if not error.every_process:
-            print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+    leave_process_group_together()
+    if speaks or error.every_process:
+        return int(speaks)
+    # Usually rank 0 has said it and the launcher stops this rank when rank 0 exits; a rank that fails alone still speaks.
+    time.sleep(LONE_ERROR_WAIT_S)
+    print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+    return 1
 
 
 def print_traceback_if_asked():

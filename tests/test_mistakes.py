@@ -323,6 +323,15 @@ def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_c
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: a mistake every rank found: fix it."], result.stderr[-3000:]
 
 
+def test_a_mistake_under_max_restarts_is_said_once_and_not_restarted(place):
+    """torchrun restarts the run after any failed process: a mistake's exit 1 met the same mistake at each
+    restart, and said it again (three times here, with two restarts)."""
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--max_restarts", "2", SCRIPTS / "toy_mlp.py",
+                        "--output_dir", place / "toy"), cwd=place, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"error: --output_dir {place / 'toy'} already holds a run: choose another --output_dir."], result.stderr[-3000:]
+
+
 def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
     (cpu.yaml would start 4, each importing torch before its parser could answer)."""
