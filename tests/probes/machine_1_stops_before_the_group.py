@@ -1,0 +1,23 @@
+"""Launched by the tests on two machines: machine 1's process finds a mistake before the process group
+forms (as a GPU profile on a machine without GPUs, or a bad flag under plain accelerate launch, do),
+while machine 0's builds its Accelerator and waits for machine 1's to join, as long as --ddp_timeout
+(here 5 s)."""
+
+import os
+from datetime import timedelta
+
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from shared.devices import cpu_only
+from shared.errors import UserError, run_main
+
+
+def main():
+    if os.environ.get("GROUP_RANK") == "1":  # torchrun's machine rank
+        raise UserError("a mistake machine 1 found before the process group formed: fix it.", every_process=True)
+    Accelerator(cpu=cpu_only(), kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=5))])
+
+
+if __name__ == "__main__":
+    run_main(main)
