@@ -43,7 +43,6 @@ from accelerate.commands.launch import launch_command, launch_command_parser
 from accelerate.utils import prepare_simple_launcher_cmd_env
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server import api as agent_api
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -259,21 +258,6 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
         args.local_addr = setting("main_process_ip")
 
 
-def no_restart_after_a_mistake():
-    """torchrun restarts the run after any failed process, while restarts are left. A process that exited
-    with code 1 has said why (a mistake's one sentence, or a bug's traceback), which each restart would
-    only meet and say again: the run stops instead. A lost process (killed, or 75: its peer lost) still
-    restarts it."""
-    monitor = LocalElasticAgent._monitor_workers
-
-    def monitored(agent, worker_group):
-        result = monitor(agent, worker_group)
-        if any(failure.exitcode == 1 for failure in result.failures.values()):
-            agent._remaining_restarts = 0  # torchrun's own count (torch 2.15), which it reads right after this
-        return result
-    LocalElasticAgent._monitor_workers = monitored
-
-
 def runs_under_torchrun(args):
     """Whether accelerate will launch under torchrun (a multi-GPU, FSDP or DeepSpeed launch, not --cpu),
     by its own reading of the command line, the profile, and without one its default config or the GPUs."""
@@ -320,7 +304,6 @@ def main():
                  "multi-GPU profile, or --cpu): launch with --config_file accelerate_configs/cpu.yaml and no --cpu (on GPUs: "
                  "4gpu.yaml), adding --num_processes 1 for one process.")
         use_a_fresh_rendezvous_for_every_restart(args, setting)
-        no_restart_after_a_mistake()
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False

@@ -231,7 +231,7 @@ def first_intact(accelerator, output_dir, spec):
 
 
 def damage(folder):
-    """The first file of a checkpoint folder that is missing or differs from its recorded digest, as a sentence part; or None."""
+    """The first file of a checkpoint folder that is missing, unreadable or not its recorded digest, as a sentence part; or None."""
     try:
         recorded = json.loads((folder / STATE_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object

@@ -63,14 +63,14 @@ def run_main(main):
             leave_process_group_together()
             sys.exit(STOPPED_EXIT_CODE)
         except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
-            # Or, as a DistStoreError before the group formed, the processes of another machine never joined it.
-            never_joined = isinstance(error, torch.distributed.DistStoreError) and not torch.distributed.is_initialized()
+            # Or, as a DistError before the group formed, another machine's processes stopped before they joined it.
+            never_joined = isinstance(error, torch.distributed.DistError) and not torch.distributed.is_initialized()
             if not (never_joined or torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
                 raise
             # Another process, or the network to it, is gone: this survivor leaves with a code that tells the
             # launcher it is not the cause, LOST_PEER_WAIT_S later.
             print_traceback_if_asked()
-            if never_joined or "imed out" in str(error):
+            if isinstance(error, torch.distributed.DistStoreError) or "imed out" in str(error):  # waited --ddp_timeout
                 print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
                       file=sys.stderr, flush=True)
             time.sleep(LOST_PEER_WAIT_S)

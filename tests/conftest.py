@@ -217,6 +217,9 @@ def small_disk(folder, size):
         subprocess.run(["umount", folder])
 
 
+# A command's prefix that runs it without the capabilities that let root read and write any folder (util-linux's setpriv).
+AS_AN_ORDINARY_USER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
+
 PAUSE_PROBE = Path(__file__).resolve().parent / "probes" / "pause_at_step.py"
 
 

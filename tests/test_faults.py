@@ -441,18 +441,23 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
         assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
-def test_a_machine_that_stops_before_the_group_forms_ends_the_other_in_one_line_each(tmp_path):
-    """Machine 1's processes stop on a mistake before the process group forms; machine 0's, waiting for them
-    to join, gave up after --ddp_timeout with a traceback each. Now each says one line and leaves as a
+@pytest.mark.parametrize("stopping", [0, 1])
+def test_a_machine_that_stops_before_the_group_forms_ends_the_other_in_one_line_each(stopping, tmp_path):
+    """One machine's processes stop on a mistake before the process group forms. The other's, waiting for
+    them to join, gave up with a traceback each: after --ddp_timeout (machine 0 waiting), or at once when
+    machine 0's launcher, which holds the rendezvous, had gone (machine 1 waiting). Now each leaves as a
     survivor of a lost peer (75), and its launcher names the lost connection."""
-    probe = Path(__file__).resolve().parent / "probes" / "machine_1_stops_before_the_group.py"
-    machine_0, machine_1 = two_machines(tmp_path, [[probe], [probe]])
-    assert machine_1.returncode == 1 and error_lines(machine_1.stderr) == [
-        "error: a mistake machine 1 found before the process group formed: fix it."], machine_1.stderr[-3000:]
-    assert machine_0.returncode == 1 and "Traceback" not in machine_0.stderr, machine_0.stderr[-3000:]
-    stopped, lost = [line for line in machine_0.stderr.splitlines() if "stopped" in line]
-    assert stopped.startswith("[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout"), stopped
-    assert lost.startswith("error: Training stopped: rank 0 lost the connection to another process of the run"), lost
+    probe = Path(__file__).resolve().parent / "probes" / "one_machine_stops_before_the_group.py"
+    results = two_machines(tmp_path, [[probe, stopping], [probe, stopping]])
+    stopped, waited = results[stopping], results[1 - stopping]
+    assert stopped.returncode == 1 and error_lines(stopped.stderr) == [
+        f"error: a mistake machine {stopping} found before the process group formed: fix it."], stopped.stderr[-3000:]
+    assert waited.returncode == 1 and "Traceback" not in waited.stderr, waited.stderr[-3000:]
+    assert error_lines(waited.stderr) == [f"error: Training stopped: rank {1 - stopping} lost the connection to another process of the run "
+                                          "(that process ended, or the network to its machine failed). Resume with "
+                                          "--resume_from_checkpoint latest if the run saved checkpoints."], waited.stderr[-3000:]
+    if stopping == 1:  # machine 0 waited --ddp_timeout for it
+        assert f"[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout" in waited.stderr, waited.stderr[-3000:]
 
 
 def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_the_first_step(small_data, tmp_path):

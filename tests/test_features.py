@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, error_lines, launch_command, python_command, read_metrics, run, script_env, two_machines
+from conftest import AS_AN_ORDINARY_USER, SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, error_lines, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -155,9 +155,8 @@ def test_an_old_checkpoint_that_cannot_be_deleted_stays_with_a_warning(small_dat
     run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags, "--num_epochs", "1")  # 4 steps: step_2 and step_4
     (run_dir / "model.safetensors").unlink()  # killed before its model was saved
     (run_dir / "checkpoints" / "step_00000002").chmod(0o555)  # its files cannot be deleted
-    no_root_writing = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
     try:
-        result = run(no_root_writing + python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--num_epochs", "2",
+        result = run(AS_AN_ORDINARY_USER + python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--num_epochs", "2",
                                                       "--keep_last_checkpoints", "1", "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     finally:
         (run_dir / "checkpoints" / ".pruned_step_00000002").chmod(0o755)
