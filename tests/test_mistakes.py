@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, SCRIPTS, error_lines, folder_snapshot, free_port, python_command, run, script_env
+from conftest import (AS_AN_ORDINARY_USER, CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, run,
+                      script_env, scripts_of)
 from synthetic_digits import write_small_mnist
 
 # One test process builds the module's fixture once and runs all of these (pytest.ini).
@@ -312,12 +313,15 @@ def test_a_mistake_only_one_rank_finds_is_said_by_that_rank(tmp_path):
     assert result.returncode == 1 and result.stderr.splitlines() == ["[rank 1] error: a mistake only rank 1 found: fix it."], result.stderr[-3000:]
 
 
-def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path):
+def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path, fork_servers):
     """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
     nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
     ended in silence. The ranks that do not say it now exit 0 at once, leaving the one non-zero exit to the one that does."""
+    before = len(forked_commands())
     result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "late_to_a_shared_mistake.py"),
                  cwd=tmp_path, check=False)
+    # Two processes: one alone would print the sentence after its second all the same.
+    assert scripts_of(forked_commands()[before:]).count("late_to_a_shared_mistake.py") == 2
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: a mistake every rank found: fix it."], result.stderr[-3000:]
 
 
