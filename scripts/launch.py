@@ -14,8 +14,9 @@ are left out; a process killed from outside gets one line saying which rank stop
 --max_restarts each restart gets one line. SIGTERM and SIGUSR1 (a cluster's warning) reach the
 training processes, which save and stop, also where accelerate runs one process without torchrun; one
 that comes while the launch waits for the other machines ends it at once.
-Exits 1 on failure, 143 after a signal to stop (SIGTERM or SIGUSR1: with checkpointing, once every process
-saved), 130 after Ctrl-C.
+Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
+with checkpointing, once every process saved), 130 after Ctrl-C. Under --max_restarts, a process that a
+mistake stopped ends the run: every start would meet it again.
 """
 
 import copy
@@ -43,6 +44,7 @@ from accelerate.commands.launch import launch_command, launch_command_parser
 from accelerate.utils import prepare_simple_launcher_cmd_env
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server import api as agent_api
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -258,6 +260,39 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
         args.local_addr = setting("main_process_ip")
 
 
+def no_restart_after_a_mistake():
+    """torchrun restarts the run after any failed process while --max_restarts allow it. A process that a
+    mistake ended (a full disk, a diverged loss) wrote the mistake to its error file (shared/errors.py), and
+    every start would end the same way: no restarts are left after it, as torch's agent does itself for a
+    process stuck in the kernel. An exit code of 1 alone cannot tell: a crash that a restart gets past (a
+    DataLoader worker killed for memory) exits 1 too."""
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_workers(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if any(isinstance(failure.message, str) and failure.message.startswith("UserError: ") for failure in result.failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_workers
+
+
+EXIT_CODES_AT_SHUTDOWN = []
+
+
+def remember_how_the_processes_ended():
+    """On a signal to stop, torchrun passes it on, waits for the processes to end and raises SignalException,
+    which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why)."""
+    shutdown = LocalElasticAgent._shutdown
+
+    def shutdown_and_remember(agent, *args, **kwargs):
+        shutdown(agent, *args, **kwargs)
+        handlers = getattr(agent._pcontext, "subprocess_handlers", {})
+        EXIT_CODES_AT_SHUTDOWN.extend(handler.proc.returncode for handler in handlers.values())
+
+    LocalElasticAgent._shutdown = shutdown_and_remember
+
+
 def runs_under_torchrun(args):
     """Whether accelerate will launch under torchrun (a multi-GPU, FSDP or DeepSpeed launch, not --cpu),
     by its own reading of the command line, the profile, and without one its default config or the GPUs."""
@@ -321,6 +356,8 @@ def main():
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
     args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
+    no_restart_after_a_mistake()
+    remember_how_the_processes_ended()
     if under_torchrun:  # whose rendezvous may wait long for the other machines
         torchrun_log.waiting = True
         stop_at_once_while_waiting(torchrun_log)
@@ -341,6 +378,8 @@ def main():
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
         if torchrun_log.waiting:
             end_while_waiting(error.sigval)
+        if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
+            sys.exit(1)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:
         fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")

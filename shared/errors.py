@@ -3,6 +3,7 @@ traceback per process, a hang, or a half-made folder left behind."""
 
 import contextlib
 import gc
+import json
 import os
 import signal
 import sys
@@ -15,9 +16,8 @@ import torch
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by the signal would exit
 LOST_PEER_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: this process was fine, but another of the run, or the way to it, is gone
-# A rank that fails alone speaks after LONE_ERROR_WAIT_S, unless the launcher stops it first because rank 0 failed too
-# and said it; a survivor of a lost peer leaves after LOST_PEER_WAIT_S, later, so that the launcher sees the lost one
-# end first (and names it), and a rank that failed alone has spoken before its loss ends the others.
+# A rank that fails alone speaks after LONE_ERROR_WAIT_S unless the launcher stops it first (rank 0 failed too and said it);
+# a lost peer's survivor leaves LOST_PEER_WAIT_S after, later: the launcher sees the lost one end first (and names it).
 LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
@@ -44,11 +44,10 @@ def first_line(error):
 
 
 def run_main(main):
-    """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see
-    end_in_its_sentence), Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it
-    had made. SHOW_TRACEBACK=1 adds the traceback, for bug reports. The garbage of main() is collected
-    while the interpreter is whole: a gloo group destroyed in interpreter shutdown aborts the process (the
-    scripts' free_memory() too)."""
+    """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see end_in_its_sentence),
+    Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made. SHOW_TRACEBACK=1 adds
+    the traceback, for bug reports. main()'s garbage is collected while the interpreter is whole: a gloo group
+    destroyed in the interpreter's shutdown aborts the process (the scripts' free_memory() too)."""
     rank = int(os.environ.get("RANK", "0"))
     warn_if_launched_alone()
     try:
@@ -67,8 +66,7 @@ def run_main(main):
             never_joined = isinstance(error, torch.distributed.DistError) and not torch.distributed.is_initialized()
             if not (never_joined or torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
                 raise
-            # Another process, or the network to it, is gone: this survivor leaves with a code that tells the
-            # launcher it is not the cause, LOST_PEER_WAIT_S later.
+            # Another process, or the network to it, is gone: this survivor leaves LOST_PEER_WAIT_S later, in a code saying so.
             print_traceback_if_asked()
             if isinstance(error, torch.distributed.DistStoreError) or "imed out" in str(error):  # waited --ddp_timeout
                 print(f"[rank {rank}] stopped: no answer from another process within --ddp_timeout ({first_line(error)})",
@@ -85,13 +83,16 @@ def run_main(main):
 
 
 def end_in_its_sentence(error):
-    """Remove what the failed run made, say the UserError's sentence once, and leave the process group.
-    Returns the exit code: 1, or 0 where another process says a mistake that every process has, since the
-    launcher stops every process at the first non-zero exit, and could stop that one before it has spoken
-    (before the process group forms, nothing else waits for it)."""
+    """Remove what the failed run made, say the sentence once, write it to torchrun's error file for this process
+    (the form of torch's ErrorHandler, less the traceback: scripts/launch.py restarts no run that every start would
+    end the same way), and leave the process group. Returns the exit code: 1, or 0 where another process says a
+    mistake every process has: the launcher stops every process at the first non-zero exit, and could stop that
+    one before it has spoken (before the process group forms, nothing else waits for it)."""
     rank = int(os.environ.get("RANK", "0"))
     remove_what_the_failed_run_made()
     print_traceback_if_asked()
+    with contextlib.suppress(KeyError, OSError):  # not under torchrun, or no room to write: then a restart may come
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": f"UserError: {error}", "timestamp": int(time.time())}))
     # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
     speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if speaks:

@@ -130,6 +130,26 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
 
 
+def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small_data, tmp_path):
+    """SIGUSR1, SLURM's warning, to the launcher and its processes, whose save then fails (a file stands where
+    the checkpoints folder goes): the save's sentence, and the launcher exits 1. Before, it exited 143, on which
+    the SLURM script requeues the job to resume from the checkpoint that 143 promises."""
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "checkpoints").touch()
+    args = ["--output_dir", tmp_path / "stopped", "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
+    job = start(launch(*args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path)})
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
+    for process in (training_process(job, 0), training_process(job, 1), psutil.Process(job.pid)):  # as SLURM signals a job step
+        process.send_signal(signal.SIGUSR1)
+    _, stderr = finish(job, GRACE_S)
+    assert job.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if "error:" in line]
+    assert line.startswith(f"error: Could not write {tmp_path / 'stopped' / 'checkpoints' / 'step_00000070'} (") and line.endswith(
+        "then start again: this run saved no checkpoint before."), line
+    assert "Stopped by a signal to stop" not in stderr
+    assert_no_process_left(tmp_path)
+
+
 @pytest.mark.parametrize("how", ["python", "launcher", "slurm"])
 def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
     """One process started by python, or by the one-process launcher (accelerate's simple launcher, as
@@ -212,29 +232,46 @@ def test_a_signal_while_the_launch_waits_for_the_other_machines_ends_it_at_once(
 # -- elastic restarts ---------------------------------------------------------------------------------
 
 def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, reference, tmp_path):
-    """--max_restarts: a rank SIGKILLed at two moments of one run, and the job still ends with exit 0
+    """--max_restarts: a rank SIGKILLed, then after the first restart a rank that exits 1 as a crash does (a
+    mistake's exit 1 ends the run: test_restarts_stop_at_a_mistake_...), and the job still ends with exit 0
     and the weights of a run that never stopped; one line per restart, no traceback."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20", "--resume_from_checkpoint", "latest"]
     restarted = tmp_path / "restarted"
-    # Both processes wait after steps 70 and 210 (tests/probes/pause_at_step.py), where one is killed:
-    # in epoch 2, then in epoch 4 after the first restart resumed (512 steps in all), however busy the machine.
+    # Both processes wait after steps 70 and 210 (tests/probes/pause_at_step.py), where one is killed, then
+    # one exits 1: in epoch 2, then in epoch 4 after the first restart resumed (512 steps in all), however busy the machine.
     job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"], script=PAUSE_PROBE), tmp_path,
                 env={**script_env(), **paused_at([70, 210], tmp_path)})
-    for kill_after_step in (70, 210):
-        wait_until(lambda: all_paused(tmp_path, (0, 1), kill_after_step), job, f"the pause after step {kill_after_step}")
-        training_process(job, random.randrange(2)).kill()
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
+    training_process(job, random.randrange(2)).kill()
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 210), job, "the pause after step 210")
+    (tmp_path / f"exit_1_{random.randrange(2)}").touch()
     stdout, stderr = finish(job, 240)
     assert job.returncode == 0, stderr[-3000:]
     # (A progress bar cut short by the kill may stand before a line on the same terminal row.)
     restarts = [line[line.index("Restarting the run"):] for line in stderr.splitlines() if "Restarting the run" in line]
     assert [line.split(":")[0] for line in restarts] == ["Restarting the run (1 of 3 restarts)", "Restarting the run (2 of 3 restarts)"], stderr[-5000:]
-    assert all("was killed by signal 9; it resumes from its newest checkpoint." in line for line in restarts), stderr[-5000:]
+    assert "was killed by signal 9; it resumes from its newest checkpoint." in restarts[0], stderr[-5000:]
+    assert "exited with code 1; it resumes from its newest checkpoint." in restarts[1], stderr[-5000:]
     assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
     assert len(checkpoints_in(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
     assert_world_size(restarted)
     assert_same_weights(weights(reference), weights(restarted))
     assert_same_records(read_metrics(reference), read_metrics(restarted), rel=1e-6)
+
+
+def test_restarts_stop_at_a_mistake_which_every_start_would_meet_again(small_data, tmp_path):
+    """--max_restarts 2 (the SLURM script passes 3) and a run that diverges in epoch 2 (--gamma 1e40): the
+    mistake is said once and ends the job with exit 1, as without restarts. Before, torchrun restarted the
+    run twice, each start resuming from epoch 1's checkpoint to diverge again and say so again."""
+    args = ["--data_dir", small_data, "--batch_size", "8", "--num_epochs", "3", "--checkpointing_steps", "10", "--gamma", "1e40",
+            "--log_interval", "1000", "--resume_from_checkpoint", "latest"]
+    result = run(launch("--output_dir", tmp_path / "run", *args, launcher_flags=["--max_restarts", "2"]), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert line.startswith("error: Training diverged in epoch 2: "), line
+    assert "Restarting the run" not in result.stderr and "Resumed from" not in result.stdout, result.stderr[-3000:]
+    assert_world_size(tmp_path / "run")
 
 
 # -- the CPU profile, for any Accelerate script --------------------------------------------------------

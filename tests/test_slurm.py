@@ -207,7 +207,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     assert len(saved) == 1, log[-3000:]
     checkpoint = saved[0].split("saved ")[1].split(" after")[0]
     assert checkpoint.endswith("step_00000080"), "the step the processes reached when the signal came"
-    assert "requeueing the job, which resumes from it" in log
+    assert "requeueing the job, which resumes from its newest checkpoint." in log
     resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
     assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"
     assert int(resumed[0].split(", ")[1].split()[0]) > 0, "saved at the step reached, inside an epoch, not at an epoch's end"
