@@ -51,6 +51,7 @@ SlurmctldLogFile={folder}/slurmctld.log
 SlurmdSpoolDir={folder}/node/spool
 SlurmdPidFile={folder}/node/slurmd.pid
 SlurmdLogFile={folder}/node/slurmd.log
+SlurmdDebug=debug  # the signals each node is asked to deliver, for a failure's message
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MailProg=/bin/true
@@ -168,6 +169,12 @@ def job_fields(job_id, env):
         ["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, check=True).stdout.split() if "=" in field)
 
 
+def what_slurm_logged(slurm, job_id, tmp_path):
+    """For a failure's message: the tails of the job's output, the controller's log and each node's."""
+    logs = [tmp_path / f"job-{job_id}.out", slurm.folder / "slurmctld.log", *(slurm.folder / node / "slurmd.log" for node in ("node1", "node2"))]
+    return "\n".join(f"--- {log}\n{log.read_text()[-2000:] if log.exists() else '(none)'}" for log in logs)
+
+
 def job_state(job_id, env):
     """The job's state and restart count."""
     fields = job_fields(job_id, env)
@@ -192,14 +199,15 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
     deadline = time.monotonic() + 180
     while not all_paused(tmp_path, (0, 1), 80):
-        assert time.monotonic() < deadline and job_state(job_id, slurm.env)[0] in ("PENDING", "RUNNING"), job_state(job_id, slurm.env)
+        assert time.monotonic() < deadline and job_state(job_id, slurm.env)[0] in ("PENDING", "RUNNING"), \
+            (job_state(job_id, slurm.env), what_slurm_logged(slurm, job_id, tmp_path))
         time.sleep(0.2)
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
     # steps (here each node's launcher and its training process), not to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env, check=True)
     while (state := job_state(job_id, slurm.env)) != ("COMPLETED", 1):
         assert time.monotonic() < deadline + 120 and state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
-            (state, (tmp_path / f"job-{job_id}.out").read_text()[-3000:])
+            (state, what_slurm_logged(slurm, job_id, tmp_path))
         time.sleep(0.5)
 
     log = (tmp_path / f"job-{job_id}.out").read_text()
