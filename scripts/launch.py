@@ -38,7 +38,7 @@ from pathlib import Path
 CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = CPP_LOG_LEVEL or "FATAL"
 
-from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 import accelerate.commands.launch as accelerate_launch
 from accelerate.commands.launch import launch_command, launch_command_parser
 from accelerate.utils import prepare_simple_launcher_cmd_env
@@ -311,7 +311,9 @@ def main():
     if not (args.module or args.no_python or os.path.isfile(args.training_script)):  # os.path: False in a folder this user cannot enter
         fail(f"Training script {args.training_script} does not exist, or is in a folder you cannot read: pass the path of one of "
              "the files in scripts/.")
-    config = check_profile(args.config_file, args.cpu) if args.config_file else None
+    # Without --config_file, accelerate launch reads the profile `accelerate config` saved, where there is one (not with --cpu).
+    profile = args.config_file or (default_config_file if os.path.isfile(default_config_file) and not args.cpu else None)
+    config = check_profile(profile, args.cpu) if profile else None
     if (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8":  # else accelerate's traceback, or a run the scripts refuse
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
     if not (args.module or args.no_python):

@@ -59,6 +59,8 @@ def place(tmp_path_factory, fork_servers):
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
+    (root / "hf_home" / "accelerate").mkdir(parents=True)  # as `accelerate config` saves a profile under HF_HOME
+    (root / "hf_home" / "accelerate" / "default_config.yaml").write_text("distributed_type: 'NO'\nuse_cpu: true\nmixed_precision: fp8\n")
     return root
 
 
@@ -107,6 +109,9 @@ MISTAKES = {
     "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
                                                   SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
                                  "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
+    "fp8 in the profile accelerate config saved": (
+        lambda p: ["env", f"HF_HOME={p / 'hf_home'}", *launch("--num_processes", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh")],
+        "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
     "fp16 on the CPU, which accelerate would run in fp32": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp16", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
