@@ -282,13 +282,14 @@ EXIT_CODES_AT_SHUTDOWN = []
 
 def remember_how_the_processes_ended():
     """On a signal to stop, torchrun passes it on, waits for the processes to end and raises SignalException,
-    which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why)."""
+    which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why).
+    Each restart shuts the processes of the start before down too: only the newest shutdown's are kept."""
     shutdown = LocalElasticAgent._shutdown
 
     def shutdown_and_remember(agent, *args, **kwargs):
         shutdown(agent, *args, **kwargs)
         handlers = getattr(agent._pcontext, "subprocess_handlers", {})
-        EXIT_CODES_AT_SHUTDOWN.extend(handler.proc.returncode for handler in handlers.values())
+        EXIT_CODES_AT_SHUTDOWN[:] = [handler.proc.returncode for handler in handlers.values()]
 
     LocalElasticAgent._shutdown = shutdown_and_remember
 

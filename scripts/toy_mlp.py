@@ -69,9 +69,8 @@ def parse_args(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="runs/toy_mlp", help="where metrics.jsonl and model.safetensors go (default: %(default)s)")
     parser.add_argument("--num_epochs", type=positive(int), default=3, help="passes over the training rows (default: %(default)s)")
-    # Batch 8: all 5 rows in one step, split over the 1, 2, 4 or 8 processes of every profile. Where 8 exceeds
-    # the rows, accelerate tops the step up with rows from the start of the epoch, so each process has one:
-    # 2, 4 and 8 processes then step on the same 8 rows, one process on the 5 alone.
+    # Batch 8: all 5 rows in one step, split over the 1, 2, 4 or 8 processes of every profile. Where 8 exceeds the rows,
+    # accelerate tops the step up with rows from the epoch's start, one each: 2, 4 and 8 processes step on the same 8 rows.
     parser.add_argument("--batch_size", type=positive(int), default=8,
                         help="rows per optimizer step, split evenly across the processes: any number of processes trains "
                         "the same model where the batch divides the 5 rows (--batch_size 5: 1 or 5 processes); otherwise "

@@ -84,15 +84,16 @@ def run_main(main):
 
 def end_in_its_sentence(error):
     """Remove what the failed run made, say the sentence once, write it to torchrun's error file for this process
-    (the form of torch's ErrorHandler, less the traceback: scripts/launch.py restarts no run that every start would
-    end the same way), and leave the process group. Returns the exit code: 1, or 0 where another process says a
-    mistake every process has: the launcher stops every process at the first non-zero exit, and could stop that
-    one before it has spoken (before the process group forms, nothing else waits for it)."""
+    (torch's ErrorHandler's form less the traceback: scripts/launch.py restarts no run every start would end the same
+    way), and leave the process group. Returns the exit code: 1, or 0 where another process says a mistake every
+    process has: the launcher stops all at the first non-zero exit, and could stop that one before it spoke."""
     rank = int(os.environ.get("RANK", "0"))
     remove_what_the_failed_run_made()
     print_traceback_if_asked()
     with contextlib.suppress(KeyError, OSError):  # not under torchrun, or no room to write: then a restart may come
-        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": f"UserError: {error}", "timestamp": int(time.time())}))
+        partial = Path(os.environ["TORCHELASTIC_ERROR_FILE"] + ".partial")  # renamed once whole: torchrun fails on a cut file
+        partial.write_text(json.dumps({"message": f"UserError: {error}", "timestamp": int(time.time())}))
+        partial.rename(os.environ["TORCHELASTIC_ERROR_FILE"])
     # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
     speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if speaks:

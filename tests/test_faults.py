@@ -4,6 +4,7 @@ into a live run's folder touches nothing, machines started differently stop befo
 and a process stuck in a collective still ends on SIGTERM. A resume after any of them ends bitwise
 equal to a run that never stopped."""
 
+import contextlib
 import json
 import logging
 import os
@@ -19,12 +20,13 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
-from shared import checkpoints
+from shared import checkpoints, errors
 from shared.errors import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
@@ -178,6 +180,22 @@ def test_a_full_disk_stops_the_save_in_one_sentence_and_the_one_before_resumes(n
                   cwd=tmp_path)
     assert f"Resumed from {moved / 'checkpoints' / 'step_00000100'}: epoch " in resumed.stdout, resumed.stdout[-2000:]
     assert_ends_like(reference, moved)
+
+
+def test_a_mistake_on_a_full_disk_leaves_torchrun_no_cut_error_file(tmp_path, monkeypatch):
+    """A process that a mistake ends tells torchrun so in its error file (scripts/launch.py then restarts
+    nothing). Where that file's disk is full (torchrun keeps it under /tmp, often the disk that filled), no
+    file is left rather than an empty one, on which torchrun's agent fails reading the process's failure
+    (ProcessFailure parses it), and the launcher with a second, cryptic line."""
+    monkeypatch.setattr(errors, "_MADE_BY_THIS_RUN", [])  # what this test process's own runs made stays
+    with small_disk(tmp_path / "disk", 8192) as disk:
+        with contextlib.suppress(OSError):
+            (disk / "filler").write_bytes(bytes(3 * 8192))  # fills it
+        error_file = disk / "error.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        assert errors.end_in_its_sentence(errors.UserError("The disk is full: free space.")) == 1
+        ProcessFailure(local_rank=0, pid=os.getpid(), exitcode=1, error_file=str(error_file))  # as torchrun reads it: raised on a cut file
+        assert not error_file.exists()
 
 
 def assert_two_ranks_trained(result):

@@ -233,20 +233,23 @@ def test_a_signal_while_the_launch_waits_for_the_other_machines_ends_it_at_once(
 
 def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, reference, tmp_path):
     """--max_restarts: a rank SIGKILLed, then after the first restart a rank that exits 1 as a crash does (a
-    mistake's exit 1 ends the run: test_restarts_stop_at_a_mistake_...), and the job still ends with exit 0
-    and the weights of a run that never stopped; one line per restart, no traceback."""
+    mistake's exit 1 ends the run: test_restarts_stop_at_a_mistake_...), each restarted with one line and no
+    traceback; then SLURM's SIGUSR1 to the launcher saves and exits 143 (the earlier exit 1 does not make it
+    a failed save's 1), and the resumed run ends with the weights of a run that never stopped."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20", "--resume_from_checkpoint", "latest"]
     restarted = tmp_path / "restarted"
-    # Both processes wait after steps 70 and 210 (tests/probes/pause_at_step.py), where one is killed, then
-    # one exits 1: in epoch 2, then in epoch 4 after the first restart resumed (512 steps in all), however busy the machine.
+    # Both processes wait after steps 70, 210 and 300 (tests/probes/pause_at_step.py), however busy the machine: one is
+    # killed in epoch 2, one exits 1 in epoch 4 after the first restart resumed, and the signal comes in epoch 5 (512 steps in all).
     job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"], script=PAUSE_PROBE), tmp_path,
-                env={**script_env(), **paused_at([70, 210], tmp_path)})
+                env={**script_env(), **paused_at([70, 210, 300], tmp_path)})
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
     training_process(job, random.randrange(2)).kill()
     wait_until(lambda: all_paused(tmp_path, (0, 1), 210), job, "the pause after step 210")
     (tmp_path / f"exit_1_{random.randrange(2)}").touch()
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 300), job, "the pause after step 300")
+    job.send_signal(signal.SIGUSR1)
     stdout, stderr = finish(job, 240)
-    assert job.returncode == 0, stderr[-3000:]
+    assert job.returncode == 143 and f"Stopped by a signal to stop: saved {restarted / 'checkpoints' / 'step_00000300'}" in stderr, stderr[-3000:]
     # (A progress bar cut short by the kill may stand before a line on the same terminal row.)
     restarts = [line[line.index("Restarting the run"):] for line in stderr.splitlines() if "Restarting the run" in line]
     assert [line.split(":")[0] for line in restarts] == ["Restarting the run (1 of 3 restarts)", "Restarting the run (2 of 3 restarts)"], stderr[-5000:]
@@ -254,6 +257,8 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, refe
     assert "exited with code 1; it resumes from its newest checkpoint." in restarts[1], stderr[-5000:]
     assert stdout.count("Restart 1 after a lost process: resumed from") == 1 and "Restart 2 after a lost process" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
+
+    run(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"]), cwd=tmp_path)
     assert len(checkpoints_in(restarted / "checkpoints")) == 2, "under restarts only the newest two are kept"
     assert_world_size(restarted)
     assert_same_weights(weights(reference), weights(restarted))

@@ -1,6 +1,6 @@
 """Runs the training script PAUSE_SCRIPT, paused after each optimizer step in PAUSE_AT_STEP (comma-separated)
 on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
-appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, where it exits 1 at once). Pausing, each writes PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds
+appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Pausing, each writes PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds
 its file there already (restarted, it passes the step again) goes on. A test that acts on a run (a
 signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that
 acts once epoch 1 is recorded can find the run already ended. Pausing changes no arithmetic: the weights
@@ -41,7 +41,8 @@ def stop_agreed(self, step):
     if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
         marker.touch()
         while not signalled.is_set() and not (FOLDER / "go").exists():
-            if (FOLDER / f"exit_1_{rank}").exists():  # a crash, as of a killed DataLoader worker: exit 1, and no mistake written
+            if (crash := FOLDER / f"exit_1_{rank}").exists():  # a crash, as of a killed DataLoader worker: exit 1, no mistake written
+                crash.unlink()  # once
                 os._exit(1)
             time.sleep(0.01)
     return original_stop_agreed(self, step)
