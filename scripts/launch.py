@@ -357,7 +357,10 @@ def main():
     args.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     # torchrun's wait between passing a signal on and killing: up to 10 steps and a checkpoint's save must
     # fit in it, and SLURM warns 120 s ahead. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's own) wins.
-    args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90"))
+    shutdown_timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
+    if not shutdown_timeout.strip().isdigit():
+        fail(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_timeout} is not a whole number of seconds: set it to one, such as 90, or unset it.")
+    args.shutdown_timeout = int(shutdown_timeout)
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
     no_restart_after_a_mistake()
     remember_how_the_processes_ended()

@@ -109,6 +109,10 @@ MISTAKES = {
     "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
                                                   SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
                                  "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
+    "a shutdown timeout that is no number of seconds": (
+        lambda p: ["env", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90s", *launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                                                                          SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh")],
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90s is not a whole number of seconds: set it to one, such as 90, or unset it."),
     "fp8 in the profile accelerate config saved": (
         lambda p: ["env", f"HF_HOME={p / 'hf_home'}", *launch("--num_processes", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh")],
         "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
