@@ -73,6 +73,11 @@ def check_profile(path, cpu_flag):
     except Exception as error:  # YAML and accelerate's own checks raise many kinds
         reason = " ".join(str(error).split())[:200]
         fail(f"Profile {path} could not be read ({reason}): fix it, or write a new one with `accelerate config --config_file {path}`.")
+    for name in ("num_processes", "num_machines", "machine_rank", "main_process_port"):  # else accelerate's TypeError, later
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            fail(f"Profile {path} has {name}: {value!r}, which is no whole number: fix it, or write a new one with "
+                 f"`accelerate config --config_file {path}`.")
     if not (config.use_cpu or cpu_flag):
         try:
             require_gpus(f"Profile {path} asks for GPUs ({config.distributed_type}, {config.num_processes} processes)")

@@ -59,6 +59,7 @@ def place(tmp_path_factory, fork_servers):
     (root / "a_file").write_text("not a folder")
     (root / "broken.yaml").write_text("distributed_type: [MULTI_GPU\n")
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
+    (root / "worded.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: two\nuse_cpu: true\nmixed_precision: 'no'\n")
     (root / "hf_home" / "accelerate").mkdir(parents=True)  # as `accelerate config` saves a profile under HF_HOME
     (root / "hf_home" / "accelerate" / "default_config.yaml").write_text("distributed_type: 'NO'\nuse_cpu: true\nmixed_precision: fp8\n")
     return root
@@ -109,6 +110,8 @@ MISTAKES = {
     "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
                                                   SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
                                  "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
+    "a profile's number of processes in words": (lambda p: launch("--config_file", p / "worded.yaml", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh"),
+                                                 "has num_processes: 'two', which is no whole number: fix it, or write a new one with"),
     "a shutdown timeout that is no number of seconds": (
         lambda p: ["env", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90s", *launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
                                                                           SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh")],
