@@ -47,7 +47,7 @@ from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
 from shared.devices import require_gpus
 from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, exit_now, first_line, print_traceback_if_asked
@@ -381,6 +381,9 @@ def main():
         stopped(f"the process {how_it_ended(error.returncode)}", error.returncode)
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
+    except RendezvousClosedError:  # under --max_restarts, another machine's launcher closed it as it left: no restart will meet it
+        fail("Training stopped: another machine's launcher ended the run (its own output says why). Resume with "
+             "--resume_from_checkpoint latest if the run saved checkpoints.")
     except (DistError, RendezvousError) as error:  # torchrun's rendezvous, where the machines meet
         at = f" at {address}:{setting('main_process_port')}" if address else ""
         fail(f"The launch could not reach the rendezvous of the machines{at} ({first_line(error)}): machine 0 is not running, "

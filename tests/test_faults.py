@@ -478,6 +478,20 @@ def test_a_machine_that_stops_before_the_group_forms_ends_the_other_in_one_line_
         assert f"[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout" in waited.stderr, waited.stderr[-3000:]
 
 
+def test_under_restarts_a_mistake_one_machine_alone_finds_ends_both_in_one_line_each(tmp_path):
+    """--max_restarts 1 on two machines, and machine 1's process alone finds a mistake: it says it and ends
+    its launch, which restarts nothing (every start would meet it again) and closes the rendezvous as it
+    leaves. Machine 0, which lost its peer, tries its restart, finds the rendezvous closed and says that
+    the other machine ended the run; before, it blamed machine 0 itself as unreachable."""
+    probe = Path(__file__).resolve().parent / "probes" / "alone_in_error.py"
+    first, second = two_machines(tmp_path, [["--max_restarts", "1", probe]] * 2)
+    assert second.returncode == 1 and error_lines(second.stderr) == ["error: a mistake only rank 1 found: fix it."], second.stderr[-3000:]
+    assert "Restarting the run" not in second.stderr, second.stderr[-3000:]
+    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-3000:]
+    assert error_lines(first.stderr) == ["error: Training stopped: another machine's launcher ended the run (its own output says why). "
+                                         "Resume with --resume_from_checkpoint latest if the run saved checkpoints."], first.stderr[-3000:]
+
+
 def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_the_first_step(small_data, tmp_path):
     """Machines with a disk each hold a copy each of every checkpoint, each checked against its own digests.
     Machine 1's copy here holds other weights, with digests to match, as one that another run saved there
