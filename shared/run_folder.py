@@ -105,10 +105,15 @@ def _take(output_dir, replace, resuming):
             + ("continue it with --resume_from_checkpoint latest, " if checkpoints_in(output_dir / CHECKPOINT_FOLDER) else "")
             + "choose another --output_dir, or pass --overwrite_output_dir to replace it.")
     if replace:  # all that a run writes here, by the names above: a trace or tracker log left behind would mix with this run's
-        for name in (METRICS_FILE, MODEL_FILE, EVAL_FILE, MLFLOW_DB):
-            (output_dir / name).unlink(missing_ok=True)
-        for name in (CHECKPOINT_FOLDER, PROFILE_FOLDER, TENSORBOARD_FOLDER, MLFLOW_ARTIFACTS):
-            shutil.rmtree(output_dir / name, ignore_errors=True)
+        try:
+            for earlier in (output_dir / name for name in (METRICS_FILE, MODEL_FILE, EVAL_FILE, MLFLOW_DB)):
+                earlier.unlink(missing_ok=True)
+            for earlier in (output_dir / name for name in (CHECKPOINT_FOLDER, PROFILE_FOLDER, TENSORBOARD_FOLDER, MLFLOW_ARTIFACTS)):
+                if os.path.lexists(earlier):
+                    shutil.rmtree(earlier)
+        except OSError as error:  # a file that will not go, or a folder in a file's place: old checkpoints must not mix with new
+            raise UserError(f"--overwrite_output_dir could not delete {earlier}, of the run there before ({first_line(error)}): "
+                            "delete it yourself, or choose another --output_dir.") from None
     return _holder(output_dir)
 
 

@@ -415,6 +415,33 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
+@pytest.mark.parametrize("left", ["read-only checkpoint", "folder named model.safetensors"])
+def test_an_earlier_run_that_overwrite_cannot_delete_ends_in_one_sentence(place, tmp_path, left):
+    """--overwrite_output_dir over a run whose checkpoint is a folder this user may not delete from, or whose
+    model.safetensors is a folder: one sentence, and no training beside what is left. Before, the folders it
+    could not delete stayed silently (shutil.rmtree's ignore_errors), their checkpoints to mix with the new
+    run's, and a folder in the model file's place ended in a traceback."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(place / "earlier", earlier)
+    checkpoint = earlier / "checkpoints" / "step_00000004"
+    if left == "read-only checkpoint":
+        checkpoint.chmod(0o555)
+        named, cause = earlier / "checkpoints", "[Errno 13] Permission denied: 'model.safetensors'"
+    else:
+        (earlier / "model.safetensors").unlink()
+        (earlier / "model.safetensors").mkdir()
+        named, cause = earlier / "model.safetensors", f"[Errno 21] Is a directory: '{earlier / 'model.safetensors'}'"
+    try:
+        result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--overwrite_output_dir", output=earlier), cwd=tmp_path, check=False)
+    finally:
+        checkpoint.chmod(0o755)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [f"error: --overwrite_output_dir could not delete {named}, of the run there before ({cause}): "
+                                          "delete it yourself, or choose another --output_dir."], result.stderr[-3000:]
+    assert not (earlier / "metrics.jsonl").exists() and (earlier / "checkpoints").exists(), "deleted in part, and nothing trained"
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
 @pytest.mark.parametrize("mistake", ["data_dir", "output_dir", "output_dir, toy_mlp", "read-only output_dir, toy_mlp", "script"])
 def test_a_folder_this_user_cannot_enter_or_write_in_ends_in_one_sentence(place, tmp_path, mistake):
     """A --data_dir, --output_dir or script inside a colleague's drwx------ folder: pathlib's exists() and
