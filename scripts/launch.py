@@ -275,7 +275,7 @@ def no_restart_after_a_mistake():
 
     def monitor_workers(agent, worker_group):
         result = monitor(agent, worker_group)
-        if any(isinstance(failure.message, str) and failure.message.startswith("UserError: ") for failure in result.failures.values()):
+        if any(isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ") for failure in result.failures.values()):
             agent._remaining_restarts = 0
         return result
 

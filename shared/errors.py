@@ -92,7 +92,7 @@ def end_in_its_sentence(error):
     print_traceback_if_asked()
     with contextlib.suppress(KeyError, OSError):  # not under torchrun, or no room to write: then a restart may come
         partial = Path(os.environ["TORCHELASTIC_ERROR_FILE"] + ".partial")  # renamed once whole: torchrun fails on a cut file
-        partial.write_text(json.dumps({"message": f"UserError: {error}", "timestamp": int(time.time())}))
+        partial.write_text(json.dumps({"message": f"{UserError.__name__}: {error}", "timestamp": int(time.time())}))
         partial.rename(os.environ["TORCHELASTIC_ERROR_FILE"])
     # Rank 0 says it; a mistake every process has is said on every machine, by its first process.
     speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
