@@ -147,6 +147,7 @@ def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small
     assert line.startswith(f"error: Could not write {tmp_path / 'stopped' / 'checkpoints' / 'step_00000070'} (") and line.endswith(
         "then start again: this run saved no checkpoint before."), line
     assert "Stopped by a signal to stop" not in stderr
+    assert_world_size(tmp_path / "stopped")  # epoch 1, recorded before the pause at step 70
     assert_no_process_left(tmp_path)
 
 
