@@ -116,6 +116,7 @@ class TorchrunLog(logging.Handler):
         self.failed = None
         self.stopped_by_torchrun = set()  # their pids
         self.waiting = False  # under torchrun, until it starts this machine's processes, and while it restarts them
+        self.started = False  # whether this machine's processes have started: it then reached machine 0 once
 
     def emit(self, record):
         try:
@@ -138,7 +139,7 @@ class TorchrunLog(logging.Handler):
         elif "Rendezvous'ing worker group" in message:  # at the start and at each restart, when no process runs
             self.waiting = True
         elif "Starting worker group" in message:
-            self.waiting = False
+            self.waiting, self.started = False, True
         elif stopping := re.match(r"Sending process (\d+) closing signal", message):
             self.stopped_by_torchrun.add(int(stopping[1]))
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
@@ -386,6 +387,10 @@ def main():
              "--resume_from_checkpoint latest if the run saved checkpoints.")
     except (DistError, RendezvousError) as error:  # torchrun's rendezvous, where the machines meet
         at = f" at {address}:{setting('main_process_port')}" if address else ""
+        if torchrun_log.started:  # under --max_restarts, machine 0's launcher, which hosts it, left as it ended the run
+            fail(f"Training stopped: machine 0's launcher, which hosts the rendezvous of the machines{at}, ended the run (its own "
+                 "output says why) or can no longer be reached from here. Resume with --resume_from_checkpoint latest if the run "
+                 "saved checkpoints.")
         fail(f"The launch could not reach the rendezvous of the machines{at} ({first_line(error)}): machine 0 is not running, "
              "has stopped (its own output says why) or cannot be reached from here: start it with the same profile, and pass "
              "--main_process_ip its address that every machine reaches and a --main_process_port that is free there.")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -478,18 +479,25 @@ def test_a_machine_that_stops_before_the_group_forms_ends_the_other_in_one_line_
         assert f"[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout" in waited.stderr, waited.stderr[-3000:]
 
 
-def test_under_restarts_a_mistake_one_machine_alone_finds_ends_both_in_one_line_each(tmp_path):
-    """--max_restarts 1 on two machines, and machine 1's process alone finds a mistake: it says it and ends
-    its launch, which restarts nothing (every start would meet it again) and closes the rendezvous as it
-    leaves. Machine 0, which lost its peer, tries its restart, finds the rendezvous closed and says that
-    the other machine ended the run; before, it blamed machine 0 itself as unreachable."""
+@pytest.mark.parametrize("finds_it", [1, 0])
+def test_under_restarts_a_mistake_one_machine_alone_finds_ends_both_in_one_line_each(tmp_path, finds_it):
+    """--max_restarts 1 on two machines, and one machine's process alone finds a mistake: it says it and
+    ends its launch, which restarts nothing (every start would meet it again) and closes the rendezvous as
+    it leaves. The other machine, which lost its peer, tries its restart and says that the other machine
+    ended the run. Machine 1 finds the rendezvous closed; before, it blamed machine 0 as unreachable.
+    Machine 0's launcher hosts the rendezvous, so machine 1 finds it gone; before, it was told to start
+    machine 0, which had run and ended."""
     probe = Path(__file__).resolve().parent / "probes" / "alone_in_error.py"
-    first, second = two_machines(tmp_path, [["--max_restarts", "1", probe]] * 2)
-    assert second.returncode == 1 and error_lines(second.stderr) == ["error: a mistake only rank 1 found: fix it."], second.stderr[-3000:]
-    assert "Restarting the run" not in second.stderr, second.stderr[-3000:]
-    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-3000:]
-    assert error_lines(first.stderr) == ["error: Training stopped: another machine's launcher ended the run (its own output says why). "
-                                         "Resume with --resume_from_checkpoint latest if the run saved checkpoints."], first.stderr[-3000:]
+    results = two_machines(tmp_path, [["--max_restarts", "1", probe, finds_it]] * 2)
+    finder, other = results[finds_it], results[1 - finds_it]
+    assert finder.returncode == 1 and error_lines(finder.stderr) == [f"error: a mistake only rank {finds_it} found: fix it."], finder.stderr[-3000:]
+    assert "Restarting the run" not in finder.stderr, finder.stderr[-3000:]
+    assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    ended = {1: "another machine's launcher ended the run (its own output says why)",
+             0: "machine 0's launcher, which hosts the rendezvous of the machines at 127.0.0.1:PORT, ended the run (its own output "
+                "says why) or can no longer be reached from here"}[finds_it]
+    assert [re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", line) for line in error_lines(other.stderr)] == [
+        f"error: Training stopped: {ended}. Resume with --resume_from_checkpoint latest if the run saved checkpoints."], other.stderr[-3000:]
 
 
 def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_the_first_step(small_data, tmp_path):

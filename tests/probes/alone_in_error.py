@@ -1,5 +1,8 @@
-"""Launched by the tests like a training script: the last rank alone finds a mistake (no other rank
-has it), while rank 0 goes on with the group, as it would in a training step."""
+"""Launched by the tests like a training script: one rank alone finds a mistake (no other rank has it),
+while the others go on with the group, as they would in a training step. Its argument is that rank
+(default: the last)."""
+
+import sys
 
 from accelerate import Accelerator
 
@@ -9,7 +12,8 @@ from shared.errors import UserError, run_main
 
 def main():
     accelerator = Accelerator(cpu=cpu_only())
-    if accelerator.process_index == accelerator.num_processes - 1:
+    finds_it = int(sys.argv[1]) if len(sys.argv) > 1 else accelerator.num_processes - 1
+    if accelerator.process_index == finds_it:
         raise UserError(f"a mistake only rank {accelerator.process_index} found: fix it.")
     for _ in range(3):  # the first meets the failing rank's barrier as it leaves the group; the next find it gone
         accelerator.wait_for_everyone()
