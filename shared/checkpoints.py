@@ -60,11 +60,10 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def saving(self, epoch, step, stats=None):
-        """Every process must enter this around accelerator.save_state(folder), with the folder it gives;
-        on a clean exit that becomes checkpoints/step_<step> (self.newest), older ones pruned. `stats`
-        (metrics.EpochStats) marks a save inside `epoch`, with its sums so far (one all-reduce).
-        A save that fails on any process (a full disk, an I/O error) stops every one with one sentence;
-        the checkpoints before it stay complete, and `latest` still names the newest."""
+        """Every process must enter this around accelerator.save_state(folder), with the folder it gives; on a clean exit
+        that becomes checkpoints/step_<step> (self.newest), older ones pruned. `stats` (metrics.EpochStats) marks a save
+        inside `epoch`, with its sums so far (one all-reduce). A save that fails on any process (a full disk, an I/O error)
+        stops every one with one sentence; the checkpoints before it stay complete, and `latest` still names the newest."""
         position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
         if stats is not None:
             position.batches_done = stats.batches
@@ -125,8 +124,7 @@ class Checkpoints:
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
         folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
         `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
-        epochs but no intact checkpoint, or has finished, stops with a sentence. The checkpoints after the one
-        resumed stay where they are: branch_at sets them aside, once nothing else can refuse the resume."""
+        epochs but no intact checkpoint, or has finished, stops with a sentence. Later checkpoints stay (see branch_at)."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._check_nothing_to_resume)
@@ -254,12 +252,14 @@ def sha256(path):
 
 @contextlib.contextmanager
 def loading(path, accelerator, position=None):
-    """Around accelerator.load_state(path): a file that fails to load ends in one sentence; a resume
-    (`position`) that loads says where the run continues."""
+    """Every process must enter this, around accelerator.load_state(path): a file that fails to load on any
+    process stops every one in one sentence, said once per machine; a resume (`position`) that loads says where it continues."""
+    failure = None
     try:
         yield
     except Exception as error:  # torch and safetensors raise many kinds on a damaged file
-        raise UserError(f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one.") from None
+        failure = f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one."
+    stop_together.if_any_failed(failure)
     if position is not None:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun under --max_restarts
         accelerator.print((f"Restart {restart} after a lost process: r" if restart else "R") + f"esumed from {path}: epoch "

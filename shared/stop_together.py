@@ -3,6 +3,7 @@ all of them in its sentence, not a traceback on one and a hang on the others. Ev
 collective: every process must call it at the same point."""
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def if_write_fails(path, advice):
     except Exception as failure:  # torch, safetensors and the OS raise many kinds on a failed write
         cause = first_line(failure)
         if "space" not in cause:  # torch.save says only "iostream error" on a full disk
-            free = shutil.disk_usage(next(folder for folder in Path(path).parents if folder.exists())).free
+            # os.path.exists: pathlib's raises where a folder above cannot be searched (a chmod, NFS's expired credentials)
+            free = shutil.disk_usage(next(folder for folder in Path(path).parents if os.path.exists(folder))).free
             cause = f"no space left on its disk: {cause}" if free < 2**20 else f"{cause}; {free / 2**20:.1f} MB free on its disk"
         error = f"Could not write {path} ({cause}): {advice}"
     if_any_failed(error)

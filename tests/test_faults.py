@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -235,6 +235,28 @@ def test_a_record_or_first_checkpoint_that_cannot_be_written_stops_the_run_in_on
     assert_two_ranks_trained(failed)
 
 
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
+def test_a_write_under_a_folder_this_user_cannot_search_ends_in_one_sentence(tmp_path):
+    """A write whose folder sits in one this user can no longer search (a chmod mid-run, NFS once its
+    credentials expire) fails with EACCES, and the sentence gives the free space of the nearest folder
+    that can be seen. Before, looking for that folder raised EACCES itself (pathlib's exists() does, in
+    Python 3.11): a traceback on the process that wrote, and a wait for it on the others."""
+    locked = tmp_path / "locked"
+    (locked / "run").mkdir(parents=True)
+    target = locked / "run" / "model.safetensors"
+    write = ("import sys\nfrom shared import stop_together\nfrom shared.errors import UserError\ntry:\n"
+             "    with stop_together.if_write_fails(sys.argv[1], 'free space or fix the folder.'):\n        open(sys.argv[1], 'wb')\n"
+             "except UserError as mistake:\n    print(mistake)\n")
+    locked.chmod(0o000)
+    try:
+        result = subprocess.run(AS_AN_ORDINARY_USER + [sys.executable, "-c", write, target], capture_output=True, text=True, timeout=60)
+    finally:
+        locked.chmod(0o755)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.fullmatch(rf"Could not write {re.escape(str(target))} \(\[Errno 13\] Permission denied: '{re.escape(str(target))}'; "
+                        r"[0-9.]+ MB free on its disk\): free space or fix the folder\.\n", result.stdout), result.stdout
+
+
 def test_records_that_cannot_be_cut_back_on_a_resume_stop_it_in_one_sentence_and_stay_whole(small_data, reference, tmp_path):
     """A resume cuts metrics.jsonl back to the epochs before its checkpoint through a temporary file; where
     that cannot be written (a folder in its place), the resume stops in one sentence and the records stay."""
@@ -316,8 +338,7 @@ def test_latest_with_every_checkpoint_damaged_stops_in_one_sentence_and_deletes_
 def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentence(num_processes, small_data, reference, tmp_path):
     """A model.safetensors cut short, with its digest recorded again to match (a checkpoint damaged
     before it was hashed, or a state file rewritten by hand): the load fails on every process, and the
-    sentence is said once (rank 1, which waits to say it should rank 0 not, is stopped by the launcher
-    first, though preemption's handler of SIGTERM is installed)."""
+    sentence is said once, by the machine's first process."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference(num_processes), run_dir)
     (run_dir / "model.safetensors").unlink()  # killed before its model was saved
@@ -500,11 +521,13 @@ def test_under_restarts_a_mistake_one_machine_alone_finds_ends_both_in_one_line_
         f"error: Training stopped: {ended}. Resume with --resume_from_checkpoint latest if the run saved checkpoints."], other.stderr[-3000:]
 
 
-def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_the_first_step(small_data, tmp_path):
+def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_before_the_first_step(small_data, tmp_path):
     """Machines with a disk each hold a copy each of every checkpoint, each checked against its own digests.
     Machine 1's copy here holds other weights, with digests to match, as one that another run saved there
     would (a resume on that machine alone): resumed together, or evaluated, both stop in one sentence;
-    before, each trained, or scored its share of the test set, from its own weights."""
+    before, each trained, or scored its share of the test set, from its own weights. Then every copy is cut
+    short, its digest recorded again: the load fails on every process, and each machine says so once, at
+    once; before, a process not on machine 0 said it as a rank that failed alone ([rank 1] error), late."""
     from safetensors.torch import save_file
 
     flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
@@ -528,6 +551,18 @@ def test_machines_whose_copies_of_a_checkpoint_hold_other_weights_stop_before_th
                 f"in process 0 on {host}: give every machine the same copy of the checkpoint (machine 0's), or resume from one they "
                 "saved together."), line
     assert [record["epoch"] for record in read_metrics(folders[0])] == [1] and not (folders[0] / "eval.json").exists()
+    for folder in folders:
+        weights_file = latest_checkpoint(folder / "checkpoints") / "model.safetensors"
+        weights_file.write_bytes(weights_file.read_bytes()[:100])
+        state = read_state(weights_file.parent)
+        state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
+        (weights_file.parent / "trainer_state.json").write_text(json.dumps(state))
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
+                                      for folder in folders])
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert line.startswith(f"error: Checkpoint {latest_checkpoint(folders[0] / 'checkpoints')} could not be loaded ("), line
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
