@@ -127,7 +127,7 @@ def main(argv=None):
         if is_model_file:
             evaluation.load_model_file(accelerator, model, weights)  # every process
         else:
-            with checkpoints.loading(weights, accelerator):
+            with checkpoints.loading(weights, accelerator):  # every process: a failed load stops all
                 accelerator.load_state(weights)
             agreement.check_weights(accelerator, model)  # every process: where each machine loaded its own copy, the same weights
         evaluation.report(evaluate(model, test_loader, accelerator), weights, accelerator, output_dir)  # every process
@@ -148,7 +148,7 @@ def main(argv=None):
         # Every process: the checkpoint to resume (`latest`: the newest intact one), checked, and where it stopped.
         start = saved.where_to_resume(args.resume_from_checkpoint, max_train_steps=args.max_train_steps, split_batches=args.split_batches)
         if start.path:  # none where `latest` finds no checkpoint yet: a new run
-            with checkpoints.loading(start.path, accelerator, start):
+            with checkpoints.loading(start.path, accelerator, start):  # every process
                 accelerator.load_state(start.path)  # weights, optimizer, scheduler and every process's RNG state
             agreement.check_weights(accelerator, model)  # every process: where each machine loaded its own copy, the same weights
             checkpoints.apply_flags_schedule(accelerator, scheduler, lr=args.lr, gamma=args.gamma)
