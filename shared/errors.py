@@ -44,12 +44,17 @@ def first_line(error):
 
 
 def run_main(main):
-    """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see end_in_its_sentence),
-    Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made. SHOW_TRACEBACK=1 adds
-    the traceback, for bug reports. main()'s garbage is collected while the interpreter is whole: a gloo group
-    destroyed in the interpreter's shutdown aborts the process (the scripts' free_memory() too)."""
+    """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see end_in_its_sentence), as
+    does running out of memory, Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made.
+    SHOW_TRACEBACK=1 adds the traceback, for bug reports. main()'s garbage is collected while the interpreter is whole:
+    a gloo group destroyed in the interpreter's shutdown aborts the process (the scripts' free_memory() too)."""
     rank = int(os.environ.get("RANK", "0"))
-    warn_if_launched_alone()
+    # accelerate launch was asked for several processes (it sets MASTER_ADDR) but started this one alone, as its plain
+    # launcher does on a machine without GPUs: nothing else would show it but world_size 1.
+    in_a_group = any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ and not in_a_group:
+        print("warning: accelerate launch was asked for several processes but started this one alone, which trains "
+              "by itself: launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu.", file=sys.stderr, flush=True)
     try:
         try:
             main()
@@ -62,6 +67,11 @@ def run_main(main):
             leave_process_group_together()
             sys.exit(STOPPED_EXIT_CODE)
         except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
+            if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):  # CUDA's allocator, or the CPU's
+                sys.exit(end_in_its_sentence(UserError(
+                    f"Out of memory ({first_line(error)}): halve --batch_size and double --gradient_accumulation_steps (a step's samples "
+                    "stay the same), or lower --eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest "
+                    "if the run saved checkpoints.")))
             # Or, as a DistError before the group formed, another machine's processes stopped before they joined it.
             never_joined = isinstance(error, torch.distributed.DistError) and not torch.distributed.is_initialized()
             if not (never_joined or torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):
@@ -120,15 +130,6 @@ def exit_now(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def warn_if_launched_alone():
-    """accelerate launch was asked for several processes (it sets MASTER_ADDR) but started this one alone,
-    as its plain launcher does on a machine without GPUs: nothing else would show it but world_size 1."""
-    in_a_group = any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
-    if "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ and not in_a_group:
-        print("warning: accelerate launch was asked for several processes but started this one alone, which trains "
-              "by itself: launch with --config_file accelerate_configs/cpu.yaml, or add --multi_gpu.", file=sys.stderr, flush=True)
 
 
 _MADE_BY_THIS_RUN = []

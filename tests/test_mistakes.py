@@ -325,6 +325,20 @@ def test_a_mistake_only_one_rank_finds_is_said_by_that_rank(tmp_path):
     assert result.returncode == 1 and result.stderr.splitlines() == ["[rank 1] error: a mistake only rank 1 found: fix it."], result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("allocator", ["cpu", "cuda"])
+def test_running_out_of_memory_ends_in_one_sentence_that_says_what_to_lower(tmp_path, allocator):
+    """A batch too large for the device: every rank meets the CPU allocator's refusal, or one rank alone
+    CUDA's torch.OutOfMemoryError (raised by the probe: no GPU here). Before, a traceback of each."""
+    probe = [PROBES / "out_of_memory.py", *(["cuda"] if allocator == "cuda" else [])]
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", *probe), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.splitlines()
+    said = {"cpu": "error: Out of memory ([enforce fail at", "cuda": "[rank 1] error: Out of memory (CUDA out of memory. Tried to allocate 20.00 GiB."}
+    assert line.startswith(said[allocator]) and line.endswith(
+        "): halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower --eval_batch_size if "
+        "evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints."), line
+
+
 def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path, fork_servers):
     """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
     nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
