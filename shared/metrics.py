@@ -87,6 +87,9 @@ def peak_memory_mb(device):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes there, KiB on Linux
 
 
+RECORD_KEYS = ("epoch", "step", "eval_loss", "eval_accuracy")  # what a resume reads of the records before it
+
+
 class MetricsLog:
     """<output_dir>/metrics.jsonl: one JSON object per epoch, written by the main process."""
 
@@ -126,10 +129,13 @@ def read_records(output_dir):
     records = []
     for number, line in enumerate(lines, start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            if number < len(lines):
-                raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.") from None
+            record = None
+        if isinstance(record, dict) and all(isinstance(record.get(key), (int, float)) for key in RECORD_KEYS):
+            records.append(record)
+        elif number < len(lines) or record is not None:  # valid JSON of another shape: edited, not cut
+            raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.")
     return records
 
 

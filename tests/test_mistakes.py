@@ -1,6 +1,7 @@
 """Mistakes a user makes end with a non-zero exit, one sentence that says what to do, no stack
 trace, and the files of an earlier run in the same place unchanged."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -48,6 +49,8 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "preempted", root / "bad_records")  # metrics.jsonl's first record cut, not its last
     records = (root / "bad_records" / "metrics.jsonl").read_text().splitlines(keepends=True)
     (root / "bad_records" / "metrics.jsonl").write_text(records[0][:20] + "\n" + "".join(records[1:]))
+    shutil.copytree(root / "preempted", root / "edited_records")  # its first record valid JSON, edited to lack its step
+    (root / "edited_records" / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "note": "edited"}) + "\n" + "".join(records[1:]))
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
@@ -263,6 +266,9 @@ MISTAKES = {
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
                          "--output_dir", p / "bad_records", "--num_epochs", "3", "--resume_from_checkpoint", "latest"),
         "metrics.jsonl line 1 is not a record of an epoch: fix or delete that line"),
+    "an edited metrics.jsonl in a run to resume": (
+        lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", "latest", output="edited_records"),
+        "edited_records/metrics.jsonl line 1 is not a record of an epoch: fix or delete that line"),
     "resume with another batch size in mid-epoch 2 processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", SCRIPTS / "cpu_gloo.py", "--data_dir", p / "data",
                          "--output_dir", p / "earlier", "--num_epochs", "4", "--resume_from_checkpoint", "latest"),
