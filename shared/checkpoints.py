@@ -17,13 +17,14 @@ import time
 import warnings
 from pathlib import Path
 
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
 from shared.errors import UserError, first_line
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
-                               model_saved_after, writes_here)
+                               model_saved_after, named_checkpoint, writes_here)
 
 
 @dataclasses.dataclass
@@ -257,10 +258,17 @@ def loading(path, accelerator, position=None):
     failure = None
     try:
         yield
-    except Exception as error:  # torch and safetensors raise many kinds on a damaged file
-        failure = f"Checkpoint {path} could not be loaded ({first_line(error)}): resume from an earlier one."
+    except (Exception, CheckpointException) as error:  # torch and safetensors raise many kinds on a damaged file
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
+        failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): resume from an earlier one."
+        # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.
+        if accelerator.distributed_type == DistributedType.FSDP and cause is error:
+            raise UserError(failure) from None
     stop_together.if_any_failed(failure)
     if position is not None:
+        # load_state brings back accelerate's count of batches into the accumulation window, the saving run's: with another
+        # --gradient_accumulation_steps (or on a process that saved none) every window would shift. A resume starts on a whole step.
+        accelerator.step = 0
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun under --max_restarts
         accelerator.print((f"Restart {restart} after a lost process: r" if restart else "R") + f"esumed from {path}: epoch "
                           f"{position.epoch}, {position.batches_done} batches in, step {position.global_step}.")
@@ -278,23 +286,3 @@ def apply_flags_schedule(accelerator, scheduler, lr, gamma):
     step_lr.base_lrs, step_lr.gamma = [lr] * len(step_lr.base_lrs), gamma
     for group in step_lr.optimizer.param_groups:  # StepLR's rate after the epochs done
         group["initial_lr"], group["lr"] = lr, lr * gamma ** (step_lr.last_epoch // step_lr.step_size)
-
-
-def named_checkpoint(path):
-    """`path` as a string once it is a checkpoint folder whose trainer_state.json reads, else a sentence saying why not."""
-    try:
-        if path.is_file():
-            raise UserError(
-                f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
-                "or 'latest', or evaluate a model file with --eval_only.")
-        if not path.is_dir():
-            raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
-        if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
-            raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
-        json.loads((path / STATE_FILE).read_text())
-    except PermissionError as error:  # another user's folder, which this one may see but not enter
-        raise UserError(f"Checkpoint {path} could not be read ({first_line(error)}): give yourself read access to it, "
-                        "or copy it to a folder you can read.") from None
-    except (OSError, ValueError) as error:
-        raise UserError(f"Checkpoint {path} is incomplete or corrupt ({first_line(error)}): resume from an earlier one.") from None
-    return str(path)

@@ -87,9 +87,6 @@ def peak_memory_mb(device):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes there, KiB on Linux
 
 
-RECORD_KEYS = ("epoch", "step", "eval_loss", "eval_accuracy")  # what a resume reads of the records before it
-
-
 class MetricsLog:
     """<output_dir>/metrics.jsonl: one JSON object per epoch, written by the main process."""
 
@@ -132,7 +129,7 @@ def read_records(output_dir):
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict) and all(isinstance(record.get(key), (int, float)) for key in RECORD_KEYS):
+        if isinstance(record, dict) and isinstance(record.get("epoch"), int):
             records.append(record)
         elif number < len(lines) or record is not None:  # valid JSON of another shape: edited, not cut
             raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.")

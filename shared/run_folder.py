@@ -4,6 +4,7 @@ live run at a time, checked before anything is written."""
 import atexit
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -52,6 +53,26 @@ def resumes_here(spec, output_dir):
     path, output_dir = Path(spec).resolve(), Path(output_dir).resolve()  # the run folder itself too, never replaced by its own resume
     return (spec == "latest" or not os.path.isdir(path)  # not there, or in a folder this user cannot enter: the resume names it
             or path == output_dir or path.is_relative_to((output_dir / CHECKPOINT_FOLDER).resolve()))
+
+
+def named_checkpoint(path):
+    """`path` as a string once it is a checkpoint folder whose trainer_state.json reads, else a sentence saying why not."""
+    try:
+        if path.is_file():
+            raise UserError(
+                f"{path} is a file, not a checkpoint folder: resume training from a folder under <output_dir>/{CHECKPOINT_FOLDER}/ "
+                "or 'latest', or evaluate a model file with --eval_only.")
+        if not path.is_dir():
+            raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
+        if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
+            raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
+        json.loads((path / STATE_FILE).read_text())
+    except PermissionError as error:  # another user's folder, which this one may see but not enter
+        raise UserError(f"Checkpoint {path} could not be read ({first_line(error)}): give yourself read access to it, "
+                        "or copy it to a folder you can read.") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"Checkpoint {path} is incomplete or corrupt ({first_line(error)}): resume from an earlier one.") from None
+    return str(path)
 
 
 def writes_here(accelerator):

@@ -520,6 +520,21 @@ def test_gradient_accumulation_equals_the_larger_batch(script, batch, atol, data
         assert left["train_loss"] == pytest.approx(right["train_loss"], rel=1e-5)
 
 
+def test_a_resume_that_halves_the_batch_and_doubles_the_accumulation_takes_the_same_steps(data_dir, tmp_path):
+    """What the out-of-memory sentence advises, mid-epoch: saved after 3 steps of 100, resumed as steps of 2 x 50.
+    The epoch takes the same 20 steps and ends at the weights of the run that never stopped; before, load_state
+    brought back accelerate's count of 3 batches into the window, so every window after the resume was shifted by
+    one batch, the first a half step, and the epoch took 21."""
+    flags = ["--data_dir", data_dir, "--num_epochs", "1"]
+    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags, "--batch_size", "100", "--checkpointing_steps", "3")
+    reference = weights(run_dir)
+    (run_dir / "model.safetensors").unlink()  # killed before its model was saved: the folder can be resumed
+    train("cpu_gloo.py", tmp_path, "run", *flags, "--batch_size", "50", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "3",
+          "--resume_from_checkpoint", run_dir / "checkpoints" / "step_00000003")
+    assert [record["step"] for record in read_metrics(run_dir)] == [20]
+    assert_same_weights(reference, weights(run_dir), exact=False, atol=1e-5)
+
+
 def test_accumulation_with_a_partial_last_window(data_dir, tmp_path):
     """2000 samples in 5 batches of 400, accumulated by 2: steps of 2, 2 and 1 batches per epoch."""
     run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--data_dir", data_dir, "--num_epochs", "3", "--batch_size", "400",

@@ -50,6 +50,15 @@ def test_fsdp2_sharded_checkpoints_resume_at_another_process_count(tmp_path):
         loaded = launch_probe("load", tmp_path, num_processes)
         assert [record["world_size"] for record in loaded] == [num_processes] * num_processes
         assert loaded[0]["model_as_saved"] and loaded[0]["optimizer_as_saved"]
+    # A shard cut short (its digest checked by the scripts before, this one damaged after): the load fails on every
+    # process, said once; before, torch's CheckpointException, a BaseException, passed the scripts' handler: a traceback each.
+    shard = tmp_path / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:64])
+    failed = run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                  PROBES / "fsdp2_checkpoints.py", "damaged", tmp_path], cwd=tmp_path, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    (line,) = failed.stderr.splitlines()
+    assert line.startswith(f"error: Checkpoint {tmp_path} could not be loaded (") and line.endswith("): resume from an earlier one."), line
 
 
 def test_fsdp2_on_machines_without_a_shared_output_dir_is_refused_at_start(tmp_path):

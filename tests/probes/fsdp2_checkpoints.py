@@ -5,6 +5,7 @@ fully_shard over gloo, which accelerate itself only does on GPUs.
 
     probe save FOLDER        train 2 steps, save the sharded checkpoint, and the full state for reference
     probe load FOLDER        load it (at another process count), record whether the full state is the saved one
+    probe damaged FOLDER     load it inside the scripts' checkpoints.loading, after the test has damaged a shard
     probe own_disks FOLDER   save with each process writing into a folder of its own, as machines without a
                              shared disk would, then try to load each process's own folder
     probe refuse FOLDER      the scripts' run_folder.prepare, with the Accelerator as fsdp.yaml makes it
@@ -24,7 +25,7 @@ from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, sa
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from shared import run_folder
+from shared import checkpoints, run_folder
 from shared.errors import run_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the script's model class
@@ -55,19 +56,23 @@ def main():
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     under_fsdp = SimpleNamespace(process_index=rank, num_processes=accelerator.num_processes, is_fsdp2=True,
                                  is_main_process=accelerator.is_main_process, wait_for_everyone=accelerator.wait_for_everyone)
-    torch.manual_seed(0 if mode != "load" else 100 + rank)  # a load starts from other weights than those saved
+    loads = mode in ("load", "damaged")
+    torch.manual_seed(100 + rank if loads else 0)  # a load starts from other weights than those saved
     model = mnist_conv.Net()
     for layer in (model.conv2, model.fc1):
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     images, labels = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1)), torch.arange(8)
-    for _ in range(2 if mode != "load" else 0):
+    for _ in range(0 if loads else 2):
         optimizer.zero_grad()
         F.nll_loss(model(images), labels).backward()
         optimizer.step()
     record = {"world_size": accelerator.num_processes}
-    if mode == "load":
+    if mode == "damaged":  # torch's sharded load raises its CheckpointException, a BaseException, on every process together
+        with checkpoints.loading(folder, UnderFsdp(accelerator)):
+            load_fsdp_model(plugin, under_fsdp, model, folder)
+    elif mode == "load":
         load_fsdp_model(plugin, under_fsdp, model, folder)
         load_fsdp_optimizer(plugin, under_fsdp, optimizer, model, folder)
         saved = torch.load(folder / "full_state.pt", weights_only=False)
