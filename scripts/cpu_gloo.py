@@ -20,7 +20,7 @@ from shared import (agreement, checkpoints, ddp_options, errors, evaluation, fla
                     stop_together, tracking)
 from shared.early_stopping import EarlyStopping
 from shared.in_memory_loader import InMemoryLoader
-from shared.preemption import Preemption
+from shared.preemption import Preemption, ignore_stop_signals
 
 
 class SimpleNet(nn.Module):
@@ -105,8 +105,8 @@ def main(argv=None):
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
     else:
-        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers)
-    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
+        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
+    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
 
     model = SimpleNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)

@@ -19,7 +19,7 @@ from shared import (agreement, checkpoints, ddp_options, devices, errors, evalua
                     run_folder, stop_together, tracking)
 from shared.early_stopping import EarlyStopping
 from shared.in_memory_loader import InMemoryLoader
-from shared.preemption import Preemption
+from shared.preemption import Preemption, ignore_stop_signals
 
 
 class Net(nn.Module):
@@ -129,8 +129,8 @@ def main(argv=None):
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
     else:
-        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers)
-    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers)
+        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
+    test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
 
     model = Net()
     if args.channels_last:  # the weights in NHWC order; the convolutions then give NHWC activations

@@ -92,6 +92,16 @@ class Preemption:
         return frame is not None and any(each.f_code.co_name in self.BUSY_IN for each, _ in traceback.walk_stack(frame))
 
 
+def ignore_stop_signals(worker_id):
+    """A DataLoader's worker_init_fn: its workers leave SIGTERM and SIGUSR1 to the training process. The launcher
+    signals that process's whole process group (torchrun's killpg; SLURM every process of the job step), its
+    workers too, where torch's handler ends a worker on a SIGTERM from any process but its parent: the training
+    process then failed in "DataLoader worker is killed by signal" instead of saving. It ends its workers itself."""
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # the training process's, inherited by fork: the worker's signals are not its
+
+
 def stop_watching():
     """At the end of a run in a process that outlives it (a notebook's kernel, which an interrupt sends
     SIGINT): the watchdogs end, and the signal handlers they replaced are back."""

@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, free_port, latest_checkpoint, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, free_port, latest_checkpoint, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -99,17 +99,24 @@ def reference(small_data, tmp_path_factory, fork_servers):
 
 # -- preemption: save, then exit --------------------------------------------------------------------
 
-@pytest.mark.parametrize("target, stop_signal", [("launcher", signal.SIGTERM), ("rank 1", signal.SIGUSR1)])
-def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, small_data, reference, tmp_path):
+@pytest.mark.parametrize("target, stop_signal, loader", [("launcher", signal.SIGTERM, "memory"), ("rank 1", signal.SIGUSR1, "memory"),
+                                                         ("launcher", signal.SIGTERM, "workers")])
+def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, stop_signal, loader, small_data, reference, tmp_path):
     """SIGTERM to the launcher (as `kill` on the job, or SLURM, sends it), or SLURM's SIGUSR1 to one rank:
     every process stops after the same step, a checkpoint of it is saved, the job exits non-zero within
     torchrun's grace period, and rank 0 says where it stopped. The run waits for the signal after step 70
-    (tests/probes/pause_at_step.py), so that the signal reaches it inside epoch 2 however busy the machine."""
+    (tests/probes/pause_at_step.py), so that the signal reaches it inside epoch 2 however busy the machine.
+    With DataLoader workers (`workers`): torchrun signals each training process's whole process group, the
+    workers too; before, torch's SIGTERM handler in each worker ended it, and the training process stopped
+    in "DataLoader worker is killed by signal", with no checkpoint."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]  # no scheduled save before the end
+    env = script_env()
+    if loader == "workers":  # started by torchrun as new interpreters: a fork server's forks sit outside its process groups
+        args, env = [*args, "--data_pipeline", "torchvision", "--num_workers", "2"], new_interpreter_env()
 
     stopped = tmp_path / "stopped"
     ranks = [0, 1] if target == "launcher" else [1]  # rank 0 waits for rank 1 in the step's check for a signal
-    job = start(launch("--output_dir", stopped, *args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path, ranks)})
+    job = start(launch("--output_dir", stopped, *args, script=PAUSE_PROBE), tmp_path, env={**env, **paused_at([70], tmp_path, ranks)})
     wait_until(lambda: all_paused(tmp_path, ranks, 70), job, "the pause after step 70")
     receiver = psutil.Process(job.pid) if target == "launcher" else training_process(job, 1)
     receiver.send_signal(stop_signal)
