@@ -288,7 +288,8 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     """Bytes of a file of the newest checkpoint changed in place, the size kept (its weights; at 2
     processes rank 1's RNG state, which the main process hashed too): `latest` says so and resumes from
     the one before (the damaged one stays), to the end of the run that never stopped; the damaged one
-    named outright stops the run with a sentence naming the file."""
+    named outright stops the run with a sentence naming the file. The folders that a save and a prune
+    killed midway left go with the resume; before, they stayed for good, each as large as a checkpoint."""
     reference = reference(num_processes)
     run_dir = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
@@ -307,12 +308,16 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_name(num_proce
     assert f"error: Checkpoint {newest} is damaged ({damaged} differs from what was saved): resume from an earlier checkpoint" in named.stderr
 
     shutil.copytree(before, before.with_name(f"{before.name}.bak"))  # a user's copy, which is no checkpoint of the run
+    leftovers = [run_dir / "checkpoints" / name for name in (".tmp_step_00000099", ".pruned_step_00000001")]
+    for leftover in leftovers:
+        shutil.copytree(before, leftover)
     result = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint", "latest"),
                  cwd=tmp_path)
     assert f"Skipping damaged checkpoint {newest} ({damaged} differs from what was saved); trying the one before it." in result.stdout
     assert f"Resumed from {before}:" in result.stdout
     kept = newest.with_name(f"damaged_{newest.name}")  # the resumed run saved that step again, and kept the damaged one aside
     assert checkpoint_damage(kept) and latest_checkpoint(run_dir / "checkpoints") == newest and not checkpoint_damage(newest)
+    assert not any(leftover.exists() for leftover in leftovers) and before.with_name(f"{before.name}.bak").exists()
     assert_ends_like(reference, run_dir)
 
 
