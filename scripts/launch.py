@@ -271,12 +271,14 @@ def no_restart_after_a_mistake():
     mistake ended (a full disk, a diverged loss) wrote the mistake to its error file (shared/errors.py), and
     every start would end the same way: no restarts are left after it, as torch's agent does itself for a
     process stuck in the kernel. An exit code of 1 alone cannot tell: a crash that a restart gets past (a
-    DataLoader worker killed for memory) exits 1 too."""
+    DataLoader worker killed for memory) exits 1 too. Nor is a run restarted whose processes saved and stopped on
+    a signal to stop (exit 143), which another machine's launcher alone may have got: the run was told to end."""
     monitor = LocalElasticAgent._monitor_workers
 
     def monitor_workers(agent, worker_group):
         result = monitor(agent, worker_group)
-        if any(isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ") for failure in result.failures.values()):
+        if any(failure.exitcode == STOPPED_EXIT_CODE or isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ")
+               for failure in result.failures.values()):
             agent._remaining_restarts = 0
         return result
 

@@ -287,6 +287,29 @@ def test_restarts_stop_at_a_mistake_which_every_start_would_meet_again(small_dat
     assert_world_size(tmp_path / "run")
 
 
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_under_restarts_a_signal_to_one_machines_launcher_saves_and_ends_both(signalled, small_data, tmp_path):
+    """--max_restarts 1 on two machines (loopback), and SIGTERM to one machine's launcher alone, as when a cluster
+    preempts one pod: every process saves after the same step and exits 143, and both launchers exit 143. Before,
+    the other machine restarted its processes: with machine 0 gone it ended in exit 1, blaming machine 0; as machine 0
+    it waited for the other to rejoin until the rendezvous timed out (10 minutes)."""
+    port = str(free_port())
+    args = ["--output_dir", tmp_path / "run", "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
+    env = {**script_env(), **paused_at([70], tmp_path, [signalled])}  # the other's rank waits in the step's check for a signal
+    jobs = [start([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_machines", 2, "--num_processes", 2,
+                   "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", 1, PAUSE_PROBE, *args],
+                  tmp_path, env) for rank in (0, 1)]
+    wait_until(lambda: all_paused(tmp_path, [signalled], 70), jobs[0], "the pause after step 70")
+    # Machine N's process is rank N, as torchrun's rendezvous orders them by launcher pid: else the other holds it.
+    holder = next(job for job in jobs if any(process.environ().get("RANK") == str(signalled)
+                                             for process in psutil.Process(job.pid).children(recursive=True)))
+    holder.send_signal(signal.SIGTERM)
+    results = [finish(job, GRACE_S) for job in jobs]
+    for job, (_, stderr) in zip(jobs, results):
+        assert job.returncode == 143 and "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000070"
+
+
 # -- the CPU profile, for any Accelerate script --------------------------------------------------------
 
 def test_the_cpu_profile_puts_a_plain_accelerator_into_one_group(tmp_path):
