@@ -47,7 +47,7 @@ from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 
 from shared.devices import require_gpus
 from shared.errors import LOST_PEER_EXIT_CODE, STOPPED_EXIT_CODE, UserError, exit_now, first_line, print_traceback_if_asked
@@ -389,6 +389,10 @@ def main():
              "--resume_from_checkpoint latest if the run saved checkpoints.")
     except (DistError, RendezvousError) as error:  # torchrun's rendezvous, where the machines meet
         at = f" at {address}:{setting('main_process_port')}" if address else ""
+        if isinstance(error, RendezvousTimeoutError):  # under --max_restarts: machine 0 waited for the others, at the start or a restart
+            fail(f"Training stopped: not every machine joined the rendezvous of the machines{at} within its join timeout: start every "
+                 "machine with the same profile, each able to reach that address, and where one was lost mid-run (its own output, if "
+                 "any, says why), resume with --resume_from_checkpoint latest on every machine if the run saved checkpoints.")
         if torchrun_log.started:  # under --max_restarts, machine 0's launcher, which hosts it, left as it ended the run
             fail(f"Training stopped: machine 0's launcher, which hosts the rendezvous of the machines{at}, ended the run (its own "
                  "output says why) or can no longer be reached from here. Resume with --resume_from_checkpoint latest if the run "
