@@ -15,8 +15,9 @@ are left out; a process killed from outside gets one line saying which rank stop
 training processes, which save and stop, also where accelerate runs one process without torchrun; one
 that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
-with checkpointing, once every process saved), 130 after Ctrl-C. Under --max_restarts, a process that a
-mistake stopped ends the run: every start would meet it again.
+with checkpointing, once every process saved, or after a line saying that torchrun killed them first),
+130 after Ctrl-C. Under --max_restarts, a process that a mistake stopped ends the run: every start would
+meet it again.
 """
 
 import copy
@@ -405,6 +406,11 @@ def main():
             end_while_waiting(error.sigval)
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)
+        # torchrun's wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
+        if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
+            print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before they "
+                  "had saved: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
+                  file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:
         fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")

@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, free_port, latest_checkpoint, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -135,6 +135,22 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert_world_size(stopped)
     assert_same_weights(weights(reference), weights(stopped))
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
+
+
+def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_path):
+    """TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0: torchrun kills the processes at once after passing SIGTERM on, before
+    any saves. The launcher says so and still exits 143 (a cluster requeues the job, to resume from the newest
+    complete checkpoint); before, it exited 143 in silence, as if they had saved."""
+    args = ["--output_dir", tmp_path / "stopped", "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
+    job = start(launch(*args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"})
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
+    job.send_signal(signal.SIGTERM)
+    _, stderr = finish(job, GRACE_S)
+    assert job.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert error_lines(stderr) == ["error: Training stopped: torchrun killed the processes 0 s after passing the signal on, before they had "
+                                   "saved: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
+                                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT."], stderr[-3000:]
+    assert not checkpoints_in(tmp_path / "stopped" / "checkpoints")
 
 
 def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small_data, tmp_path):
