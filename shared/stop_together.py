@@ -45,9 +45,10 @@ def if_write_fails(path, advice):
     except Exception as failure:  # torch, safetensors and the OS raise many kinds on a failed write
         cause = first_line(failure)
         if "space" not in cause:  # torch.save says only "iostream error" on a full disk
-            # os.path.exists: pathlib's raises where a folder above cannot be searched (a chmod, NFS's expired credentials)
-            free = shutil.disk_usage(next(folder for folder in Path(path).parents if os.path.exists(folder))).free
-            cause = f"no space left on its disk: {cause}" if free < 2**20 else f"{cause}; {free / 2**20:.1f} MB free on its disk"
+            with contextlib.suppress(OSError):  # a disk that cannot say (NFS's stale handle): the cause alone
+                # os.path.exists: pathlib's raises where a folder above cannot be searched (a chmod, NFS's expired credentials)
+                free = shutil.disk_usage(next(folder for folder in Path(path).parents if os.path.exists(folder))).free
+                cause = f"no space left on its disk: {cause}" if free < 2**20 else f"{cause}; {free / 2**20:.1f} MB free on its disk"
         error = f"Could not write {path} ({cause}): {advice}"
     if_any_failed(error)
 

@@ -5,6 +5,7 @@ and a process stuck in a collective still ends on SIGTERM. A resume after any of
 equal to a run that never stopped."""
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_po
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
-from shared import checkpoints, errors
+from shared import checkpoints, errors, stop_together
 from shared.errors import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
@@ -255,6 +256,18 @@ def test_a_write_under_a_folder_this_user_cannot_search_ends_in_one_sentence(tmp
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.fullmatch(rf"Could not write {re.escape(str(target))} \(\[Errno 13\] Permission denied: '{re.escape(str(target))}'; "
                         r"[0-9.]+ MB free on its disk\): free space or fix the folder\.\n", result.stdout), result.stdout
+
+
+def test_a_failed_write_on_a_disk_that_cannot_say_its_free_space_still_ends_in_its_sentence(tmp_path, monkeypatch):
+    """The sentence adds the disk's free space; where the disk cannot say (NFS's stale handle), the cause alone.
+    Before, the lookup's own error left the handler: a traceback on that process, a wait for it on the others."""
+    def stale(path):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    monkeypatch.setattr(shutil, "disk_usage", stale)
+    with pytest.raises(errors.UserError, match=r"^Could not write \S+model\.safetensors \(\[Errno 13\] Permission denied\): free space\.$"):
+        with stop_together.if_write_fails(tmp_path / "model.safetensors", "free space."):
+            raise PermissionError(errno.EACCES, "Permission denied")
 
 
 def test_records_that_cannot_be_cut_back_on_a_resume_stop_it_in_one_sentence_and_stay_whole(small_data, reference, tmp_path):

@@ -1,7 +1,7 @@
 """Launched by the tests like a training script: every rank asks torch's CPU allocator for more memory
 than any machine has, as a batch too large for its device would; with the argument `cuda`, the last rank
-alone raises the torch.OutOfMemoryError that CUDA's allocator raises (no GPU here to fill), as one GPU
-that other work crowds would. Either must end in the one sentence that says what to lower."""
+alone raises the torch.OutOfMemoryError that CUDA's allocator raises (no GPU here to fill). Either must
+end in the one sentence that says what to lower."""
 
 import sys
 
