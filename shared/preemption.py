@@ -18,6 +18,7 @@ call), or waiting while another process does, may stand at one line up to BUSY_L
 save after a signal completes.
 """
 
+import contextlib
 import signal
 import socket
 import sys
@@ -110,3 +111,6 @@ def stop_watching():
         preemption.ended.set()
         for stop_signal, handler in preemption.replaced.items():
             signal.signal(stop_signal, handler)
+    for _, writer in WAKEUP_SOCKETS:  # a watchdog waiting for a signal on its socket wakes at a 0, and ends: else each run left one
+        with contextlib.suppress(OSError):
+            writer.send(b"\0")

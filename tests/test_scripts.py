@@ -170,7 +170,7 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     os._exit there); a run lets its --output_dir go at its end, so the next cell can replace it (before,
     the kernel held the lock until it exited, and the folder was 'in use by a run still going'); an
     interrupt of the idle kernel after a run with checkpoints leaves it alive (preemption's watchdog
-    ended it with exit 130)."""
+    ended it with exit 130), and no run's watchdog thread is left waiting (each run left one)."""
     import nbformat
 
     def cell(*flags):
@@ -198,7 +198,8 @@ print("the kernel lives on")
 """
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
         "from shared.preemption import Preemption\nPreemption.GRACE_S = 2",
-        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"), interrupt)])
+        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"), interrupt,
+        "import threading\nprint('watchdogs left:', sum('_end_if_stuck' in thread.name for thread in threading.enumerate()))")])
     run_in_a_kernel(notebook, tmp_path)
     said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
     assert "error: --eval_only needs --resume_from_checkpoint" in said[1] and all(
@@ -206,7 +207,8 @@ print("the kernel lives on")
     assert "error" not in said[2] + said[3], said
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
-    assert notebook.cells[-1].outputs[-1].text == "the kernel lives on\n"
+    assert notebook.cells[-2].outputs[-1].text == "the kernel lives on\n"
+    assert notebook.cells[-1].outputs[-1].text == "watchdogs left: 0\n"
 
 
 def test_a_notebook_launch_forks_processes_that_can_print_while_the_kernel_prints(tmp_path):
