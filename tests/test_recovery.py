@@ -129,7 +129,7 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert line == f"Stopped by a signal to stop: saved {saved} after step {int(saved.name[5:])}; continue with --resume_from_checkpoint latest."
     assert saved.name == "step_00000070" and not (stopped / "model.safetensors").exists()
     assert "Traceback" not in stderr
-    if loader == "workers":  # its resume is the memory pipeline's, which trains alike (test_pipeline.py)
+    if loader == "workers":  # the torchvision pipeline resumes bitwise: tests/test_pipeline.py
         return
 
     resumed = run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
