@@ -408,8 +408,8 @@ def main():
             sys.exit(1)
         # torchrun's wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
         if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
-            print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before they "
-                  "had saved: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
+            print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before every "
+                  "one had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
                   file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:

@@ -118,9 +118,12 @@ class MetricsLog:
                 write_whole(self.path, "".join(json.dumps(record) + "\n" for record in records if record["epoch"] < position.epoch))
 
 
-def read_records(output_dir):
-    """The records of output_dir's metrics.jsonl, one per epoch (none without the file); a last line that
-    a killed run's write cut short is left out."""
+RESUMED_KEYS = ("epoch", "step", "eval_loss", "eval_accuracy")  # what a resume reads of the epochs before it
+
+
+def read_records(output_dir, keys=RESUMED_KEYS):
+    """The records of output_dir's metrics.jsonl, one per epoch (none without the file), each an object with a number
+    for each of `keys` (toy_mlp records no step); a last line that a killed run's write cut short is left out."""
     path = output_dir / METRICS_FILE
     lines = path.read_text().splitlines() if path.exists() else []
     records = []
@@ -129,7 +132,7 @@ def read_records(output_dir):
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict) and isinstance(record.get("epoch"), int):
+        if isinstance(record, dict) and all(type(record.get(key)) in (int, float) for key in keys):  # not a bool either
             records.append(record)
         elif number < len(lines) or record is not None:  # valid JSON of another shape: edited, not cut
             raise UserError(f"{path} line {number} is not a record of an epoch: fix or delete that line.")

@@ -19,6 +19,7 @@ save after a signal completes.
 """
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -97,10 +98,18 @@ def ignore_stop_signals(worker_id):
     """A DataLoader's worker_init_fn: its workers leave SIGTERM and SIGUSR1 to the training process. The launcher
     signals that process's whole process group (torchrun's killpg; SLURM every process of the job step), its
     workers too, where torch's handler ends a worker on a SIGTERM from any process but its parent: the training
-    process then failed in "DataLoader worker is killed by signal" instead of saving. It ends its workers itself."""
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(stop_signal, signal.SIG_IGN)
+    process then failed in "DataLoader worker is killed by signal" instead of saving. The parent's own SIGTERM
+    (how it ends workers left at its exit) still ends the worker, as torch's handler does."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the training process's, inherited by fork: the worker's signals are not its
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # left to this thread, and to those started after
+    threading.Thread(target=_end_at_the_parents_sigterm, daemon=True).start()
+
+
+def _end_at_the_parents_sigterm():
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
+        pass
+    os._exit(0)
 
 
 def stop_watching():

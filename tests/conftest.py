@@ -242,7 +242,7 @@ def data_flags(script, data_dir):
 
 
 def read_metrics(output_dir):
-    return read_records(Path(output_dir))
+    return read_records(Path(output_dir), keys=["epoch"])  # toy_mlp's too
 
 
 def latest_checkpoint(folder):

@@ -679,6 +679,29 @@ def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"saved" and not result.stderr, result.stderr
 
 
+def test_a_killed_dataloader_worker_ends_the_run_at_once(data_dir, tmp_path):
+    """A DataLoader worker SIGKILLed (the kernel's OOM killer) mid-epoch: torch's error, and the process ends within
+    seconds. Python's exit then ends the workers left with SIGTERM, which a worker must still obey from its parent
+    while it leaves other processes' SIGTERM to the training process: ignoring every SIGTERM, it hung the exit."""
+    job = subprocess.Popen([sys.executable, SCRIPTS / "cpu_gloo.py", "--output_dir", tmp_path / "run", "--data_dir", data_dir, "--batch_size", "8",
+                            "--num_epochs", "50", "--data_pipeline", "torchvision", "--num_workers", "2", "--checkpointing_steps", "1000"],
+                           cwd=tmp_path, env=new_interpreter_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(workers := psutil.Process(job.pid).children()) < 2:  # a new interpreter: its workers are its children
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    time.sleep(1)  # into the epoch
+    workers[0].kill()
+    killed_at = time.monotonic()
+    try:
+        _, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for process in [*psutil.Process(job.pid).children(), psutil.Process(job.pid)]:  # the hung process and its workers
+            process.kill()
+        raise
+    assert job.returncode == 1 and "is killed by signal: Killed" in stderr and time.monotonic() - killed_at < 30, stderr[-3000:]
+
+
 def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
     """A process inside a save after the signal is busy, not stuck, while its one line takes less than
     BUSY_LIMIT_S (as safetensors writes a whole file in one call): both finish their 6 s save, past the

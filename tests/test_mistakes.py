@@ -49,8 +49,9 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "preempted", root / "bad_records")  # metrics.jsonl's first record cut, not its last
     records = (root / "bad_records" / "metrics.jsonl").read_text().splitlines(keepends=True)
     (root / "bad_records" / "metrics.jsonl").write_text(records[0][:20] + "\n" + "".join(records[1:]))
-    shutil.copytree(root / "preempted", root / "edited_records")  # its first record valid JSON, its epoch edited into a string
-    (root / "edited_records" / "metrics.jsonl").write_text(json.dumps({**json.loads(records[0]), "epoch": "1"}) + "\n" + "".join(records[1:]))
+    shutil.copytree(root / "preempted", root / "edited_records")  # its first record valid JSON, edited: no step, which a resume reads
+    edited = {key: value for key, value in json.loads(records[0]).items() if key != "step"}
+    (root / "edited_records" / "metrics.jsonl").write_text(json.dumps(edited) + "\n" + "".join(records[1:]))
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])

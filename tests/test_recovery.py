@@ -149,8 +149,8 @@ def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_pat
     job.send_signal(signal.SIGTERM)
     _, stderr = finish(job, GRACE_S)
     assert job.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
-    assert error_lines(stderr) == ["error: Training stopped: torchrun killed the processes 0 s after passing the signal on, before they had "
-                                   "saved: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
+    assert error_lines(stderr) == ["error: Training stopped: torchrun killed the processes 0 s after passing the signal on, before every one "
+                                   "had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
                                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT."], stderr[-3000:]
     assert not checkpoints_in(tmp_path / "stopped" / "checkpoints")
 

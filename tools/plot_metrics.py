@@ -27,7 +27,7 @@ def read_run(run_dir):
     if not path.is_file():
         sys.exit(f"error: {path} does not exist: pass run folders that hold a metrics.jsonl.")
     try:
-        records = read_records(Path(run_dir))
+        records = read_records(Path(run_dir), keys=["epoch"])  # toy_mlp's too
     except (OSError, ValueError, UserError) as error:  # ValueError: not UTF-8
         sys.exit(f"error: {path} could not be read ({error}): pass run folders that hold a metrics.jsonl.")
     if not records:
