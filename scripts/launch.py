@@ -60,6 +60,9 @@ if CPP_LOG_LEVEL is None:  # the environment as it was (a test imports this modu
 HERE = Path(__file__).resolve().parent
 
 
+RESUME_IF_SAVED = "Resume with --resume_from_checkpoint latest if the run saved checkpoints."  # after a run that stopped
+
+
 def fail(sentence):
     print(f"error: {sentence}", file=sys.stderr, flush=True)
     sys.exit(1)
@@ -153,7 +156,7 @@ def stopped(what, exitcode):
     143, that the run saved a checkpoint on a signal to stop and said where."""
     if exitcode in (1, STOPPED_EXIT_CODE):
         sys.exit(exitcode)
-    fail(f"Training stopped: {what}. Resume with --resume_from_checkpoint latest if the run saved checkpoints.")
+    fail(f"Training stopped: {what}. {RESUME_IF_SAVED}")
 
 
 def cause_of_failure(failures, stopped_by_torchrun):
@@ -386,8 +389,7 @@ def main():
     except (ValueError, ConnectionError) as error:  # accelerate's checks of the launch arguments
         fail(f"{error} ")
     except RendezvousClosedError:  # under --max_restarts, another machine's launcher closed it as it left: no restart will meet it
-        fail("Training stopped: another machine's launcher ended the run (its own output says why). Resume with "
-             "--resume_from_checkpoint latest if the run saved checkpoints.")
+        fail(f"Training stopped: another machine's launcher ended the run (its own output says why). {RESUME_IF_SAVED}")
     except (DistError, RendezvousError) as error:  # torchrun's rendezvous, where the machines meet
         at = f" at {address}:{setting('main_process_port')}" if address else ""
         if isinstance(error, RendezvousTimeoutError):  # under --max_restarts: machine 0 waited for the others, at the start or a restart
@@ -396,8 +398,7 @@ def main():
                  "any, says why), resume with --resume_from_checkpoint latest on every machine if the run saved checkpoints.")
         if torchrun_log.started:  # under --max_restarts, machine 0's launcher, which hosts it, left as it ended the run
             fail(f"Training stopped: machine 0's launcher, which hosts the rendezvous of the machines{at}, ended the run (its own "
-                 "output says why) or can no longer be reached from here. Resume with --resume_from_checkpoint latest if the run "
-                 "saved checkpoints.")
+                 f"output says why) or can no longer be reached from here. {RESUME_IF_SAVED}")
         fail(f"The launch could not reach the rendezvous of the machines{at} ({first_line(error)}): machine 0 is not running, "
              "has stopped (its own output says why) or cannot be reached from here: start it with the same profile, and pass "
              "--main_process_ip its address that every machine reaches and a --main_process_port that is free there.")

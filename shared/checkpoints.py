@@ -146,8 +146,9 @@ class Checkpoints:
         run's checkpoints after the one resumed (`position`) are set aside as abandoned_step_N, never
         deleted, so that `latest` finds this run's own newest, and pruning never takes one of its own
         for one of theirs. What a save or a prune killed midway left (.tmp_, .pruned_) goes: this run alone holds the folder."""
-        for leftover in [*self.folder.glob(".tmp_step_*"), *self.folder.glob(".pruned_step_*")] if self.writes else []:
-            shutil.rmtree(leftover, ignore_errors=True)
+        if self.writes:
+            for leftover in [*self.folder.glob(".tmp_step_*"), *self.folder.glob(".pruned_step_*")]:
+                shutil.rmtree(leftover, ignore_errors=True)
         if self.writes and position.path and position.path.parent.resolve() == self.folder.resolve():
             for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint_step(checkpoint) > position.global_step]:
                 aside = later.with_name(f"abandoned_{later.name}")

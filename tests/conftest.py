@@ -186,20 +186,21 @@ def free_port():
 _next_port = itertools.count(random.randrange(10_000))  # another session on this machine starts elsewhere
 
 
+def loopback_machine(rank, port, *args, config="cpu.yaml"):
+    """scripts/launch.py's arguments for machine `rank` of two on loopback (one process each), as a host
+    would launch it: `args` follow the launcher's flags (any launcher flag of its own, the script and its flags)."""
+    return [SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--num_machines", "2", "--num_processes", "2", "--machine_rank",
+            rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port, *args]
+
+
 def two_machines(cwd, machine_args, config="cpu.yaml"):
-    """Two launches on loopback that join one group as machines 0 and 1 (one process each), as two
-    hosts would: machine_args[rank] is what follows the launcher's flags on that machine (the script
-    and its flags, after any launcher flag of its own). The results, as subprocess.run gives them, in
+    """Two launches on loopback that join one group as machines 0 and 1 (loopback_machine): machine_args[rank]
+    is what follows the launcher's flags on that machine. The results, as subprocess.run gives them, in
     machine order."""
-    port = str(free_port())
-    jobs = [
-        subprocess.Popen(
-            [str(part) for part in [python(), SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--num_machines", "2",
-                                    "--num_processes", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
-                                    "--main_process_port", port, *args]],
-            cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank, args in enumerate(machine_args)
-    ]
+    port = free_port()
+    jobs = [subprocess.Popen([str(part) for part in [python(), *loopback_machine(rank, port, *args, config=config)]],
+                             cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, args in enumerate(machine_args)]
     outputs = [job.communicate(timeout=TIMEOUT) for job in jobs]
     return [subprocess.CompletedProcess(job.args, job.returncode, *output) for job, output in zip(jobs, outputs)]
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -542,10 +542,9 @@ def test_under_restarts_a_mistake_one_machine_alone_finds_ends_both_in_one_line_
 def test_under_restarts_machine_0_whose_peer_never_joins_ends_in_one_sentence(tmp_path):
     """--max_restarts makes the rendezvous torchrun's c10d one, where machine 0 waits for the others up to its join
     timeout (600 s; 3 s here): then one sentence. Before, machine 0 said that machine 0 was not running."""
-    command = [python(), SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2",
-               "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", free_port(), "--max_restarts", "1",
-               "--rdzv_conf", "join_timeout=3", Path(__file__).resolve().parent / "probes" / "alone_in_error.py"]
-    result = run(command, cwd=tmp_path, check=False)
+    probe = Path(__file__).resolve().parent / "probes" / "alone_in_error.py"
+    command = loopback_machine(0, free_port(), "--max_restarts", "1", "--rdzv_conf", "join_timeout=3", probe)
+    result = run([python(), *command], cwd=tmp_path, check=False)
     assert result.returncode == 1 and [re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", line) for line in error_lines(result.stderr)] == [
         "error: Training stopped: not every machine joined the rendezvous of the machines at 127.0.0.1:PORT within its join timeout: start "
         "every machine with the same profile, each able to reach that address, and where one was lost mid-run (its own output, if any, says "

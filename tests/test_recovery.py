@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, loopback_machine, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -314,9 +314,7 @@ def test_under_restarts_a_signal_to_one_machines_launcher_saves_and_ends_both(si
     port = str(free_port())
     args = ["--output_dir", tmp_path / "run", "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
     env = {**script_env(), **paused_at([70], tmp_path, [signalled])}  # the other's rank waits in the step's check for a signal
-    jobs = [start([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_machines", 2, "--num_processes", 2,
-                   "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", 1, PAUSE_PROBE, *args],
-                  tmp_path, env) for rank in (0, 1)]
+    jobs = [start([sys.executable, *loopback_machine(rank, port, "--max_restarts", 1, PAUSE_PROBE, *args)], tmp_path, env) for rank in (0, 1)]
     wait_until(lambda: all_paused(tmp_path, [signalled], 70), jobs[0], "the pause after step 70")
     # Machine N's process is rank N, as torchrun's rendezvous orders them by launcher pid: else the other holds it.
     holder = next(job for job in jobs if any(process.environ().get("RANK") == str(signalled)
