@@ -129,6 +129,7 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert line == f"Stopped by a signal to stop: saved {saved} after step {int(saved.name[5:])}; continue with --resume_from_checkpoint latest."
     assert saved.name == "step_00000070" and not (stopped / "model.safetensors").exists()
     assert "Traceback" not in stderr
+    assert_world_size(stopped)  # epoch 1, before the signal, trained as one group of 2
     if loader == "workers":  # the torchvision pipeline resumes bitwise: tests/test_pipeline.py
         return
 
@@ -153,6 +154,7 @@ def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_pat
                                    "had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
                                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT."], stderr[-3000:]
     assert not checkpoints_in(tmp_path / "stopped" / "checkpoints")
+    assert_world_size(tmp_path / "stopped")
 
 
 def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small_data, tmp_path):
@@ -324,6 +326,7 @@ def test_under_restarts_a_signal_to_one_machines_launcher_saves_and_ends_both(si
     for job, (_, stderr) in zip(jobs, results):
         assert job.returncode == 143 and "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
     assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000070"
+    assert_world_size(tmp_path / "run")  # the two machines trained as one group
 
 
 # -- the CPU profile, for any Accelerate script --------------------------------------------------------
