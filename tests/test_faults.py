@@ -690,14 +690,18 @@ def test_a_killed_dataloader_worker_ends_the_run_at_once(data_dir, tmp_path):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.05)
     time.sleep(1)  # into the epoch
-    workers[0].kill()
     killed_at = time.monotonic()
-    try:
-        _, stderr = job.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
+    while job.poll() is None and time.monotonic() < killed_at + 60:
+        # An epoch lasts about a second: the worker listed may have ended with its epoch, or be killed while its
+        # loader shuts it down, which torch rightly ignores. Kill a worker alive now until the run ends.
+        with contextlib.suppress(psutil.NoSuchProcess, IndexError):
+            psutil.Process(job.pid).children()[0].kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.wait(timeout=5)
+    if job.poll() is None:
         for process in [*psutil.Process(job.pid).children(), psutil.Process(job.pid)]:  # the hung process and its workers
             process.kill()
-        raise
+    _, stderr = job.communicate()
     assert job.returncode == 1 and "is killed by signal: Killed" in stderr and time.monotonic() - killed_at < 30, stderr[-3000:]
 
 
