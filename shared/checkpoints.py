@@ -102,7 +102,7 @@ class Checkpoints:
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
             "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
             "batches_per_epoch": self.batches_per_epoch, "files": files}
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        (partial / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -235,9 +235,12 @@ def first_intact(accelerator, output_dir, spec):
 def damage(folder):
     """The first file of a checkpoint folder that is missing, unreadable or not its recorded digest, as a sentence part; or None."""
     try:
-        recorded = json.loads((folder / STATE_FILE).read_text())["files"]
+        state = json.loads((folder / STATE_FILE).read_text())
+        recorded = state["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         return f"its {STATE_FILE} cannot be read: {error}"
+    if state.get("sha256", state_digest(state)) != state_digest(state):  # edited or damaged since (none recorded before 2026-11-27)
+        return f"its {STATE_FILE} differs from what was saved"
     for name, digest in recorded.items():
         try:
             if sha256(folder / name) != digest:
@@ -247,6 +250,11 @@ def damage(folder):
         except OSError as error:  # a file this user cannot read, a folder in its place: no traceback on one process
             return f"{name} could not be read ({first_line(error)})"
     return None
+
+
+def state_digest(state):
+    """The SHA-256 of a checkpoint's state less its own digest: a trainer_state.json edited since is found, not resumed."""
+    return hashlib.sha256(json.dumps({key: value for key, value in state.items() if key != "sha256"}, sort_keys=True).encode()).hexdigest()
 
 
 def sha256(path):

@@ -42,6 +42,7 @@ sys.path.insert(0, str(TESTS))
 
 from fork_server import FORKED_LOG  # noqa: E402
 from synthetic_digits import write_small_mnist  # noqa: E402
+from shared.checkpoints import sha256, state_digest  # noqa: E402
 from shared.metrics import read_records  # noqa: E402
 from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
 
@@ -270,6 +271,14 @@ def processes_naming(path):
 
 def read_state(checkpoint):
     return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def record_digest_again(checkpoint, name):
+    """Record the digest of `name` as it is now in the checkpoint's state, and the state's own digest: a file
+    damaged before it was hashed, which only its load can find."""
+    state = read_state(checkpoint)
+    state["files"][name] = sha256(checkpoint / name)
+    (checkpoint / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}))
 
 
 def checkpoint_damage(checkpoint):

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -363,9 +363,7 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     weights_file = checkpoint / "model.safetensors"
     weights_file.write_bytes(weights_file.read_bytes()[:100])
-    state = read_state(checkpoint)
-    state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
-    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    record_digest_again(checkpoint, "model.safetensors")
     before = len(forked_commands())
     failed = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint",
                                   "latest"), cwd=tmp_path, check=False)
@@ -566,9 +564,7 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
     other = latest_checkpoint(folders[1] / "checkpoints")
     save_file({name: tensor + 0.01 for name, tensor in load_file(other / "model.safetensors").items()}, other / "model.safetensors")
-    state = read_state(other)
-    state["files"]["model.safetensors"] = checkpoints.sha256(other / "model.safetensors")
-    (other / "trainer_state.json").write_text(json.dumps(state))
+    record_digest_again(other, "model.safetensors")
     host = os.uname().nodename
     for folder in folders:  # killed before the model was saved: --eval_only of `latest` takes the checkpoint (a model file's copies are compared already)
         (folder / "model.safetensors").unlink()
@@ -584,9 +580,7 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     for folder in folders:
         weights_file = latest_checkpoint(folder / "checkpoints") / "model.safetensors"
         weights_file.write_bytes(weights_file.read_bytes()[:100])
-        state = read_state(weights_file.parent)
-        state["files"]["model.safetensors"] = checkpoints.sha256(weights_file)
-        (weights_file.parent / "trainer_state.json").write_text(json.dumps(state))
+        record_digest_again(weights_file.parent, "model.safetensors")
     results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
                                       for folder in folders])
     for result in results:
@@ -686,7 +680,7 @@ def test_a_killed_dataloader_worker_ends_the_run_at_once(data_dir, tmp_path):
                             "--num_epochs", "50", "--data_pipeline", "torchvision", "--num_workers", "2", "--checkpointing_steps", "1000"],
                            cwd=tmp_path, env=new_interpreter_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while len(workers := psutil.Process(job.pid).children()) < 2:  # a new interpreter: its workers are its children
+    while len(psutil.Process(job.pid).children()) < 2:  # a new interpreter: its workers are its children
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.05)
     time.sleep(1)  # into the epoch

@@ -41,6 +41,9 @@ def place(tmp_path_factory, fork_servers):
         shutil.copytree(root / "earlier", root / name)
         path = root / name / "checkpoints" / checkpoint / damaged_file
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    shutil.copytree(root / "earlier", root / "edited_state")  # valid JSON, a number edited into text: before, a TypeError's traceback
+    state_file = root / "edited_state" / "checkpoints" / checkpoint / "trainer_state.json"
+    state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"epoch": "2"}))
     shutil.copytree(root / "earlier", root / "checkpoints_only")  # stopped in its first epoch: no record yet, no model
     for name in ("metrics.jsonl", "model.safetensors"):
         (root / "checkpoints_only" / name).unlink()
@@ -212,6 +215,8 @@ MISTAKES = {
                                    "is damaged (model.safetensors differs from what was saved): resume from an earlier checkpoint"),
     "corrupt checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "corrupt_state"), output="corrupt_state"),
                                  "is incomplete or corrupt"),
+    "edited checkpoint state": (lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "edited_state"), output="edited_state"),
+                                "is damaged (its trainer_state.json differs from what was saved): resume from an earlier checkpoint"),
     "resume of another run's checkpoint into a folder that holds a run": (
         lambda p: cpu_gloo(p, "--num_epochs", "3", "--resume_from_checkpoint", checkpoint_of(p, "earlier"), output="no_checkpoints"),
         "no_checkpoints already holds a run (metrics.jsonl, model.safetensors): choose another --output_dir"),

@@ -4,7 +4,8 @@ name, its spool folder and an /etc/hosts that names both nodes), slurmctld and m
 ports of their own. The batch script's srun starts one launcher per node; they meet at the first
 node and train as one group. The job's early warning, as Slurm's `--signal=USR1@120` delivers it at
 its time, saves a checkpoint at the step the run reached; the job requeues itself, starts again with
-the same job id, and ends bitwise where a run that was never stopped ends. Without Slurm, or where
+the same job id. A plain scancel then saves too; a new job pointed at the run (OUTPUT_DIR) goes on from
+there, and ends bitwise where a run that was never stopped ends. Without Slurm, or where
 namespaces are not permitted, the test skips and says why (.ci/run installs Slurm)."""
 
 import contextlib
@@ -181,47 +182,61 @@ def job_state(job_id, env):
     return fields["JobState"], int(fields["Restarts"])
 
 
+def submit(slurm, tmp_path, flags, env):
+    """sbatch slurm/train_2node.sbatch on the two nodes, the script's flags after it; returns the job id."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", f"--cpus-per-task={os.cpu_count()}", "--gpus-per-node=0", f"--chdir={tmp_path}",
+         f"--output={tmp_path}/job-%j.out", REPO / "slurm" / "train_2node.sbatch", *map(str, flags)],
+        env=env, capture_output=True, text=True, check=True)
+    return submitted.stdout.strip().split(";")[0]
+
+
+def wait_for(condition, job_id, slurm, tmp_path, states, seconds):
+    """Wait until condition() holds, while the job's state stays among `states`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        state = job_state(job_id, slurm.env)
+        assert time.monotonic() < deadline and state[0] in states, (state, what_slurm_logged(slurm, job_id, tmp_path))
+        time.sleep(0.2)
+
+
 def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resumes_bitwise(slurm, tmp_path):
     """The job's processes wait for the signal after step 80, inside epoch 2 (tests/probes/pause_at_step.py
-    around cpu_gloo.py), so that it reaches them before the run ends however busy the machine."""
+    around cpu_gloo.py), so that it reaches them before the run ends however busy the machine. The requeued
+    job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too, which save
+    within Slurm's KillWait; the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
     env = {**new_interpreter_env(), **slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80], tmp_path),
+           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80, 160], tmp_path),
            "LAUNCHER": str(SCRIPTS / "launch.py")}
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", f"--cpus-per-task={os.cpu_count()}", "--gpus-per-node=0", f"--chdir={tmp_path}",
-         f"--output={tmp_path}/job-%j.out", REPO / "slurm" / "train_2node.sbatch", *map(str, flags)],
-        env=env, capture_output=True, text=True, check=True)
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = submit(slurm, tmp_path, flags, env)
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    deadline = time.monotonic() + 180
-    while not all_paused(tmp_path, (0, 1), 80):
-        assert time.monotonic() < deadline and job_state(job_id, slurm.env)[0] in ("PENDING", "RUNNING"), \
-            (job_state(job_id, slurm.env), what_slurm_logged(slurm, job_id, tmp_path))
-        time.sleep(0.2)
+    wait_for(lambda: all_paused(tmp_path, (0, 1), 80), job_id, slurm, tmp_path, ("PENDING", "RUNNING"), 180)
     # What `#SBATCH --signal=USR1@120` (no B:) does at its time: SIGUSR1 to every process of the job's
     # steps (here each node's launcher and its training process), not to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env, check=True)
-    while (state := job_state(job_id, slurm.env)) != ("COMPLETED", 1):
-        assert time.monotonic() < deadline + 120 and state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
-            (state, what_slurm_logged(slurm, job_id, tmp_path))
-        time.sleep(0.5)
+    wait_for(lambda: all_paused(tmp_path, (0, 1), 160), job_id, slurm, tmp_path, ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), 240)
+    assert job_state(job_id, slurm.env) == ("RUNNING", 1)
+    subprocess.run(["scancel", job_id], env=slurm.env, check=True)  # SIGTERM to every process of the job, then SIGKILL after KillWait
+    wait_for(lambda: job_state(job_id, slurm.env)[0] == "CANCELLED", job_id, slurm, tmp_path, ("RUNNING", "COMPLETING"), 60)
 
     log = (tmp_path / f"job-{job_id}.out").read_text()
-    saved = [line for line in log.splitlines() if line.startswith("Stopped by a signal to stop: saved ")]
-    assert len(saved) == 1, log[-3000:]
-    checkpoint = saved[0].split("saved ")[1].split(" after")[0]
-    assert checkpoint.endswith("step_00000080"), "the step the processes reached when the signal came"
-    assert "requeueing the job, which resumes from its newest checkpoint." in log
-    resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {checkpoint}: epoch ")]
+    saved = [line.split("saved ")[1].split(" after")[0] for line in log.splitlines() if line.startswith("Stopped by a signal to stop: saved ")]
+    assert [Path(checkpoint).name for checkpoint in saved] == ["step_00000080", "step_00000160"], log[-3000:]  # the steps reached
+    assert log.count("requeueing the job, which resumes from its newest checkpoint.") == 1, "after the warning, not the cancel"
+    resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {saved[0]}: epoch ")]
     assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"
     assert int(resumed[0].split(", ")[1].split()[0]) > 0, "saved at the step reached, inside an epoch, not at an epoch's end"
     assert job_fields(job_id, slurm.env)["NodeList"] == "node[1-2]"
     for node in ("node1", "node2"):  # each node's slurmd started a task of the job's step: its launcher
         assert f"launch task StepId={job_id}.0 " in (slurm.folder / node / "slurmd.log").read_text(), node
+
+    next_job = submit(slurm, tmp_path, flags, {**env, "OUTPUT_DIR": str(output_dir)})
+    wait_for(lambda: job_state(next_job, slurm.env) == ("COMPLETED", 0), next_job, slurm, tmp_path, ("PENDING", "RUNNING", "COMPLETING"), 240)
+    assert f"Resumed from {output_dir / 'checkpoints' / 'step_00000160'}: epoch 3, 32 batches in" in (tmp_path / f"job-{next_job}.out").read_text()
 
     reference = tmp_path / "never_stopped"
     run(launch_command("cpu_gloo.py", "--output_dir", reference, *flags, "--checkpointing_steps", "epoch", num_processes=2), cwd=tmp_path)
