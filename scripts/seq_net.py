@@ -145,12 +145,9 @@ def main(argv=None):
         accelerator.end_training()
         return
 
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    # --max_train_steps overrides --num_epochs, as in Hugging Face's example scripts.
-    num_epochs = math.ceil(args.max_train_steps / steps_per_epoch) if args.max_train_steps else args.num_epochs
     log = metrics.MetricsLog(output_dir, accelerator)
     saved = checkpoints.Checkpoints(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
-                                    batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=num_epochs)
+                                    batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=args.num_epochs)
     # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops (shared/preemption.py).
     preemption = Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
@@ -172,6 +169,12 @@ def main(argv=None):
     # checkpoints set aside and only the records of the epochs before it kept.
     saved.branch_at(start)
     log.continue_from(start)
+    num_epochs = args.num_epochs
+    if args.max_train_steps:  # it overrides --num_epochs, as in Hugging Face's example scripts: the epochs that reach it from
+        # the start, in this run's steps (a checkpoint's epochs may have been of another length: another batch or world size)
+        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+        steps_before_epoch = start.global_step - math.ceil(start.batches_done / args.gradient_accumulation_steps)
+        num_epochs = start.epoch - 1 + math.ceil((args.max_train_steps - steps_before_epoch) / steps_per_epoch)
 
     step = start.global_step
     # --profile: torch.profiler records a window of steps on every process and writes their traces.

@@ -42,8 +42,7 @@ class Position:
 
 class Checkpoints:
     """The checkpoints of the run in output_dir: --checkpointing_steps (`every`: N optimizer steps or
-    'epoch'), --keep_last_checkpoints (`keep`); `batch_size` and `batches_per_epoch` are each process's,
-    `num_epochs` the run's."""
+    'epoch'), --keep_last_checkpoints (`keep`), --num_epochs; `batch_size` and `batches_per_epoch` are each process's."""
 
     def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs):
         self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
@@ -172,10 +171,6 @@ class Checkpoints:
         if max_train_steps and (trained > max_train_steps or (trained == max_train_steps and saved_model)):
             raise UserError(f"The run in {self.output_dir} already trained {trained} steps: pass a "
                             "larger --max_train_steps to train further, or start a new run in another --output_dir.")
-        if max_train_steps and trained < max_train_steps and state["epoch"] > self.num_epochs:  # else it would stop short, untrained
-            raise UserError(f"The checkpoint to resume is in epoch {state['epoch']} at step {trained}, past the {self.num_epochs} epochs "
-                            f"of this run's steps that reach --max_train_steps {max_train_steps}: resume with the --batch_size and "
-                            "--gradient_accumulation_steps that saved it (with --no_split_batches, its number of processes too).")
         finished = max(state["epoch"] - 1, last["epoch"] - (not last.get("whole_epoch", True)))  # not one --max_train_steps cut
         if not max_train_steps and finished >= self.num_epochs and saved_model:
             raise UserError(f"The run in {self.output_dir} already finished {finished} epochs: pass a larger --num_epochs "

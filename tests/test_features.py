@@ -347,20 +347,22 @@ def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes
     assert_same_records(read_metrics(full), read_metrics(killed), rel=1e-6)
 
 
-def test_a_max_train_steps_resume_at_a_batch_whose_epochs_end_before_the_checkpoint_is_refused(data_dir, tmp_path):
-    """The epoch checkpoint of step 40 (epoch 2 next, at 40 steps of 50 an epoch), resumed at --batch_size 10:
-    200 steps an epoch, so --max_train_steps 50 fits in one, which the checkpoint is past. Before, the
-    resume trained nothing and saved the weights of step 40 as the model of a 50-step run."""
-    flags = ["--data_dir", data_dir, "--max_train_steps", "50", "--checkpointing_steps", "epoch"]
-    run_dir, _ = train("cpu_gloo.py", tmp_path, "run", *flags, "--batch_size", "50")
-    (run_dir / "model.safetensors").unlink()  # killed before its model was saved: the folder can be resumed
-    refused = run(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--batch_size", "10", "--resume_from_checkpoint",
-                                 "latest"), cwd=tmp_path, check=False)
-    assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert ("The checkpoint to resume is in epoch 2 at step 40, past the 1 epochs of this run's steps that reach --max_train_steps 50: "
-            "resume with the --batch_size and --gradient_accumulation_steps that saved it (with --no_split_batches, its number of "
-            "processes too).") in refused.stderr
-    assert not (run_dir / "model.safetensors").exists()
+@pytest.mark.parametrize("checkpoint, batch_size, expected", [
+    ("step_00000040", 40, [(1, 40), (2, 90), (3, 100)]),  # 50 steps an epoch: before, 2 epochs, and it stopped short at step 90
+    ("step_00000080", 40, [(1, 40), (2, 80), (3, 100)]),  # past the 2 epochs of 50 that reach step 100: before, refused
+    ("step_00000040", 100, [(1, 40), (2, 60), (3, 80), (4, 100)]),  # 20 steps an epoch: before, an empty epoch 5 was recorded
+])
+def test_a_max_train_steps_resume_at_another_batch_size_trains_to_that_step(checkpoint, batch_size, expected, data_dir, tmp_path):
+    """A run of --max_train_steps 100 at --batch_size 50 (40 steps an epoch: 40, 80, 100) killed before its model was
+    saved, resumed from an epoch checkpoint at another batch size: its epochs are counted from where it resumes, in the
+    resumed run's steps, and it ends at step 100 exactly."""
+    flags = ["--data_dir", data_dir, "--max_train_steps", "100", "--checkpointing_steps", "epoch"]
+    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags, "--batch_size", "50")
+    assert [(record["epoch"], record["step"]) for record in read_metrics(full)] == [(1, 40), (2, 80), (3, 100)]
+    resume_from(full, checkpoint, tmp_path / "resumed")
+    resumed, _ = train("cpu_gloo.py", tmp_path, "resumed", *flags, "--batch_size", str(batch_size), "--resume_from_checkpoint", "latest")
+    assert [(record["epoch"], record["step"]) for record in read_metrics(resumed)] == expected
+    assert (resumed / "model.safetensors").exists()
 
 
 def test_a_step_checkpoint_after_an_epochs_ragged_last_batch_resumes_at_another_batch_size(data_dir, tmp_path):
