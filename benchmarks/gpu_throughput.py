@@ -109,7 +109,8 @@ def main():
     parser.add_argument("--train_samples", type=int, default=53760, help="a multiple of both batch sizes")
     parser.add_argument("--output", default="benchmarks/gpu_throughput.json", help="the rows as JSON")
     args = parser.parse_args()
-
+    if args.num_epochs < 2:
+        parser.error("--num_epochs must be 2 or more: epoch 1 compiles and warms up, and is not reported")
     for batch in {args.batch_size, args.large_batch}:
         if args.train_samples % batch:
             parser.error(f"--train_samples {args.train_samples} is not a multiple of the batch {batch}: the last batch would be ragged")

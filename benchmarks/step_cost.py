@@ -1,5 +1,5 @@
 """What the scripts' safety features cost per optimizer step: the fixed gradient layout that makes a
-resume bitwise (DDP with find_unused_parameters=True, on in runs of 3+ processes with checkpoints) and the check for
+resume bitwise (DDP with find_unused_parameters=True, on in every run of 3+ processes) and the check for
 a signal to save and stop (one all-reduce of one number, accelerate's check_trigger).
 
     python benchmarks/step_cost.py                       # 2 and 4 processes, cpu_gloo.py's net
@@ -113,7 +113,7 @@ def table(results):
         cells = [f"{statistics.median(base) * 1e6:.0f}"]
         for name in LOOPS[1:]:
             extra = sorted((other - plain) * 1e6 for other, plain in zip(seconds[name], base))
-            cells.append(f"{statistics.median(seconds[name]) * 1e6:.0f} (+{statistics.median(extra):.0f}; "
+            cells.append(f"{statistics.median(seconds[name]) * 1e6:.0f} ({statistics.median(extra):+.0f}; "
                          f"middle half {extra[len(extra) // 4]:+.0f} to {extra[3 * len(extra) // 4]:+.0f})")
         lines.append(f"| {processes} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

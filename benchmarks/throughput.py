@@ -83,8 +83,9 @@ def run_script(command, env, output_dir):
 
 
 def read_metrics(output_dir):
-    """The records of a run's metrics.jsonl, one per epoch."""
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    """The records of a run's metrics.jsonl, one per epoch; a last line still being written (no newline yet) is not one."""
+    text = (Path(output_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False, as_torchrun=False):
@@ -239,11 +240,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant; each figure is the median over rounds")
     parser.add_argument("--train_samples", type=int, help="training samples per data set (default: 24,000 for the linear nets, 6,000 for the conv net)")
     parser.add_argument("--output", default="benchmarks/throughput", help="writes <output>.json (after every row) and <output>.png")
-    parser.add_argument("--variants", nargs="+", choices=list(COLUMNS), help="measure only these (default: all)")
+    parser.add_argument("--variants", nargs="+", choices=list(COLUMNS),
+                        help="measure only these, and default_memory, which the others are compared with (default: all)")
     parser.add_argument("--tables_from", metavar="JSON", help="measure nothing: print the tables of a saved <output>.json and redraw its PNG")
     args = parser.parse_args()
+    if args.num_epochs < 2:
+        parser.error("--num_epochs must be 2 or more: epoch 1 warms up, and is not reported")
+    if args.variants:
+        args.variants = ["default_memory", *(name for name in args.variants if name != "default_memory")]
     if args.tables_from:
-        rows = [medians(row) for row in json.loads(Path(args.tables_from).read_text())]
+        try:
+            rows = [medians(row) for row in json.loads(Path(args.tables_from).read_text())]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            sys.exit(f"error: {args.tables_from} could not be read as this benchmark's <output>.json ({error!r}): pass one it wrote.")
         plot(rows, Path(args.tables_from).with_suffix(".png"))
         print(f"Tables of {args.tables_from}, {sum(len(r['rounds']) for r in rows) // len(rows)} rounds a row.\n")
     else:

@@ -582,10 +582,13 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
         assert failed.returncode == 1 and failed.stderr.count("error: ") == 1 and "Traceback" not in failed.stderr, failed.stderr
         assert failed.stderr.startswith(f"error: {tmp_path / folder}/{sentence}"), failed.stderr
     # A run killed while it wrote its last record (or one still writing): its whole epochs are drawn, as the scripts read them.
+    # Beside it, records of another shape (no world_size, a key only in the first): drawn, with a gap; before, a KeyError.
     with open(one / "metrics.jsonl", "a") as records:
         records.write('{"epoch": 3, "train_lo')
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"epoch": 1, "train_loss": 0.5}\n{"epoch": 2}\n')
     png.unlink()
-    run([sys.executable, TOOLS / "plot_metrics.py", one, "-o", png], cwd=tmp_path)
+    run([sys.executable, TOOLS / "plot_metrics.py", one, tmp_path / "other", "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and len(image.convert("RGB").getcolors(maxcolors=1_000_000)) > 50
 

@@ -121,6 +121,28 @@ def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():
         trace["traceEvents"].append({**mark, "tid": mark["tid"] + 1, "ts": mark["ts"] + mark["dur"] - 1, "dur": 1})
     assert step_time(trace) == row
 
+    # tools/plot_trace.py draws the host's phases of the last step, once each: before, forward's and the
+    # optimizer's copies on the device's row were drawn on the main thread's too.
+    from plot_trace import last_step
+
+    _, phases = last_step(trace)
+    assert [len(phases[name]) for name in ("forward", "backward", "optimizer")] == [1, 1, 2], phases  # the step, and zero_grad
+
+
+def test_the_step_table_counts_gloos_overlapping_all_reduces_once():
+    """gloo runs the all-reduces of two buckets at once, on threads of its own: 3 ms of backward under two
+    all-reduces that overlap are 3 ms hidden, not 4.5 (before, each all-reduce's overlap was added)."""
+    sys.path.insert(0, str(TOOLS))
+    from step_time import step_time
+
+    events = [{"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur} for cat, name, tid, ts, dur in (
+        ("user_annotation", "ProfilerStep#1", 1, 0, 10_000), ("user_annotation", "DistributedDataParallel.forward", 1, 0, 2_000),
+        ("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 1, 2_000, 4_000),
+        ("cpu_op", "gloo:all_reduce", 2, 3_000, 2_000), ("cpu_op", "gloo:all_reduce", 3, 3_500, 2_500),
+        ("cpu_op", "torch.distributed.ddp.reducer::copy_bucket_to_grad", 1, 6_500, 100))]
+    row = step_time({"traceEvents": events})
+    assert row["all-reduce under backward"] == 3.0 and row["all-reduce wait"] == 0.6, row
+
 
 def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
     """Under cpu.yaml at 4 processes: a trace and a row of the table for each process, and, tracked by

@@ -6,6 +6,7 @@ One line per run, labelled with its folder name and world size.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -44,12 +45,12 @@ def main():
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
     for run_dir in args.run_dirs:
         records = read_run(run_dir)
-        label = f"{Path(run_dir).resolve().name} ({records[-1]['world_size']} proc)"
+        label = Path(run_dir).resolve().name + (f" ({records[-1]['world_size']} proc)" if "world_size" in records[-1] else "")
         epochs = [record["epoch"] for record in records]
         for axis, (key, _) in zip(axes, PANELS):
             if key not in records[0]:  # toy_mlp records no eval loss
                 continue
-            axis.plot(epochs, [record[key] for record in records], marker="o", label=label)
+            axis.plot(epochs, [record.get(key, math.nan) for record in records], marker="o", label=label)  # nan: a gap
     for axis, (_, title) in zip(axes, PANELS):
         axis.set(title=title, xlabel="epoch")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -11,17 +11,19 @@ the device (tools/step_time.py counts those, in its device columns).
 """
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
-from step_time import backward_span, host_steps, read_trace
+from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
 
 def last_step(trace):
     """(start, duration) of the trace's last ProfilerStep and the spans to draw in it, in ms from its start."""
-    events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
+    # The host's events: on a GPU, Kineto repeats forward's and the optimizer's annotations on the device's rows.
+    events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and event.get("cat") not in DEVICE_CATEGORIES]
     steps = host_steps(events)
     if not steps:
         sys.exit("error: a trace holds no recorded step: pass the profile folder of a run trained with --profile long enough to "
@@ -51,7 +53,7 @@ def main():
     args = parser.parse_args()
     traces = []
     for folder in args.profile_dirs:
-        found = sorted(Path(folder).glob("trace_rank*.json"))
+        found = sorted(Path(folder).glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))  # rank 2 before 10
         if not found:
             sys.exit(f"error: {folder} holds no trace_rank*.json: pass the profile/ folder of a run made with --profile.")
         traces += found

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 HOST_PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
+DEVICE_CATEGORIES = ("kernel", "gpu_user_annotation", "gpu_memcpy", "gpu_memset")  # a GPU trace's device rows
 
 
 def host_steps(events):
@@ -63,7 +64,7 @@ def step_time(trace):
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
     steps = host_steps(events)
     main = steps[0]["tid"] if steps else None
-    host = [event for event in events if event.get("cat") not in ("kernel", "gpu_user_annotation", "gpu_memcpy", "gpu_memset")]
+    host = [event for event in events if event.get("cat") not in DEVICE_CATEGORIES]
     kernels = [event for event in events if event.get("cat") == "kernel"]
     # Kineto marks each step on the device once per stream that ran in it (compute, NCCL's): the step there
     # spans all of them, from the first mark's start to the last one's end.
@@ -102,8 +103,9 @@ def step_time(trace):
             copies = [event for event in inside if event["name"].startswith("torch.distributed.ddp.reducer::copy_bucket_to_grad")]
             phases["all-reduce wait"] = max(0.0, max((event["ts"] + event["dur"] for event in copies), default=backward[1]) - backward[1])
             phases["data and loop"] = max(0.0, step["dur"] - sum(phases.values()))
-            reduces = [event for event in inside if event["name"] in ("gloo:all_reduce", "nccl:all_reduce")]
-            hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], [backward]) for event in reduces)
+            # gloo's all-reduces of different buckets may run at once, on threads of their own: their time, counted once
+            reduces = merged((event["ts"], event["ts"] + event["dur"]) for event in inside if event["name"] in ("gloo:all_reduce", "nccl:all_reduce"))
+            hidden = overlap(*backward, reduces)
         for name, value in {"step": step["dur"], **phases, "all-reduce under backward": hidden}.items():
             totals[name] = totals.get(name, 0.0) + value
     counted = len(steps) - left_out

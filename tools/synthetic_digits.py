@@ -1,5 +1,5 @@
 """Small learnable stand-ins for MNIST and FashionMNIST in torchvision's layout, made here with no
-network: each 28x28 image's class is a bright 7x7 block at one of ten fixed places, over noise.
+network: each 28x28 image's class is a bright 7x5 block at one of ten fixed places, over noise.
 
     python tools/synthetic_digits.py --data_dir data_synthetic
     python scripts/mnist_conv.py --data_dir data_synthetic --num_epochs 1
@@ -17,7 +17,7 @@ from shared.flags import positive_int
 
 
 def learnable_digits(num_samples, seed):
-    """28x28 uint8 images whose class is a bright 7x7 block at one of ten fixed spots, plus noise."""
+    """28x28 uint8 images whose class is a bright block, 7 rows by 5 columns, at one of ten fixed spots, plus noise."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, size=num_samples).astype(np.uint8)
     images = rng.integers(0, 60, size=(num_samples, 28, 28)).astype(np.uint8)
