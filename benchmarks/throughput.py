@@ -251,6 +251,8 @@ def main():
     if args.tables_from:
         try:
             rows = [medians(row) for row in json.loads(Path(args.tables_from).read_text())]
+            if not rows:
+                raise ValueError("it holds no rows")
         except (OSError, ValueError, KeyError, TypeError) as error:
             sys.exit(f"error: {args.tables_from} could not be read as this benchmark's <output>.json ({error!r}): pass one it wrote.")
         plot(rows, Path(args.tables_from).with_suffix(".png"))

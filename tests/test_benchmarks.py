@@ -5,6 +5,7 @@ produced them working.
 """
 
 import json
+import re
 import sys
 import time
 
@@ -114,7 +115,8 @@ def test_a_launch_stopped_at_its_target_ends_with_every_training_process(tmp_pat
 def test_step_cost_benchmark_times_every_loop():
     result = run([sys.executable, BENCHMARKS / "step_cost.py", "--processes", "2", "--steps", "3", "--blocks", "2", "--digest_mb", "8"], cwd=REPO)
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 2 |")]
-    assert row.count("|") == 6 and row.count("(+") == 3, result.stdout  # the plain step and the cost of each of three additions
+    # The plain step and the cost of each of three additions, signed: a cost within the noise may come out below zero.
+    assert row.count("|") == 6 and len(re.findall(r"\([+-]\d+; middle half", row)) == 3, result.stdout
     header = "| write: s per GB | SHA-256, warm: s per GB | SHA-256, from disk: s per GB |"
     integrity = result.stdout.splitlines()[result.stdout.splitlines().index(header) + 2]
     assert integrity.count("|") == 4 and float(integrity.split("|")[2]) > 0, result.stdout

@@ -347,20 +347,24 @@ def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes
     assert_same_records(read_metrics(full), read_metrics(killed), rel=1e-6)
 
 
-@pytest.mark.parametrize("checkpoint, batch_size, expected", [
-    ("step_00000040", 40, [(1, 40), (2, 90), (3, 100)]),  # 50 steps an epoch: before, 2 epochs, and it stopped short at step 90
-    ("step_00000080", 40, [(1, 40), (2, 80), (3, 100)]),  # past the 2 epochs of 50 that reach step 100: before, refused
-    ("step_00000040", 100, [(1, 40), (2, 60), (3, 80), (4, 100)]),  # 20 steps an epoch: before, an empty epoch 5 was recorded
+BY_EPOCH = ["--batch_size", "50", "--max_train_steps", "100", "--checkpointing_steps", "epoch"]  # 40 steps an epoch: 40, 80, 100
+ACCUMULATED = ["--batch_size", "50", "--gradient_accumulation_steps", "2", "--max_train_steps", "50", "--checkpointing_steps", "10"]
+
+
+@pytest.mark.parametrize("flags, checkpoint, resumed_with, expected", [
+    (BY_EPOCH, "step_00000040", ["--batch_size", "40"], [(1, 40), (2, 90), (3, 100)]),  # 50 steps an epoch: before, it stopped at 90
+    (BY_EPOCH, "step_00000080", ["--batch_size", "40"], [(1, 40), (2, 80), (3, 100)]),  # past the 2 epochs that reach 100: refused
+    (BY_EPOCH, "step_00000040", ["--batch_size", "100"], [(1, 40), (2, 60), (3, 80), (4, 100)]),  # 20 an epoch: an empty epoch 5
+    # 20 steps an epoch of 2 batches each; step 30 is 20 batches into epoch 2. Resumed at batches of 100: 10 steps an epoch,
+    # 5 of them done. Before, an empty epoch 5 was recorded.
+    (ACCUMULATED, "step_00000030", ["--batch_size", "100"], [(1, 20), (2, 35), (3, 45), (4, 50)]),
 ])
-def test_a_max_train_steps_resume_at_another_batch_size_trains_to_that_step(checkpoint, batch_size, expected, data_dir, tmp_path):
-    """A run of --max_train_steps 100 at --batch_size 50 (40 steps an epoch: 40, 80, 100) killed before its model was
-    saved, resumed from an epoch checkpoint at another batch size: its epochs are counted from where it resumes, in the
-    resumed run's steps, and it ends at step 100 exactly."""
-    flags = ["--data_dir", data_dir, "--max_train_steps", "100", "--checkpointing_steps", "epoch"]
-    full, _ = train("cpu_gloo.py", tmp_path, "full", *flags, "--batch_size", "50")
-    assert [(record["epoch"], record["step"]) for record in read_metrics(full)] == [(1, 40), (2, 80), (3, 100)]
+def test_a_max_train_steps_resume_at_another_batch_size_trains_to_that_step(flags, checkpoint, resumed_with, expected, data_dir, tmp_path):
+    """A run of --max_train_steps killed before its model was saved, resumed at another batch size from one of its
+    checkpoints: its epochs are counted from where it resumes, in the resumed run's steps, and it ends at that step exactly."""
+    full, _ = train("cpu_gloo.py", tmp_path, "full", "--data_dir", data_dir, *flags)
     resume_from(full, checkpoint, tmp_path / "resumed")
-    resumed, _ = train("cpu_gloo.py", tmp_path, "resumed", *flags, "--batch_size", str(batch_size), "--resume_from_checkpoint", "latest")
+    resumed, _ = train("cpu_gloo.py", tmp_path, "resumed", "--data_dir", data_dir, *flags, *resumed_with, "--resume_from_checkpoint", "latest")
     assert [(record["epoch"], record["step"]) for record in read_metrics(resumed)] == expected
     assert (resumed / "model.safetensors").exists()
 

@@ -195,8 +195,8 @@ def wait_for(condition, job_id, slurm, tmp_path, states, seconds):
     """Wait until condition() holds, while the job's state stays among `states`."""
     deadline = time.monotonic() + seconds
     while not condition():
-        state = job_state(job_id, slurm.env)
-        assert time.monotonic() < deadline and state[0] in states, (state, what_slurm_logged(slurm, job_id, tmp_path))
+        state = job_state(job_id, slurm.env)  # the condition may have come true since, and the job moved on
+        assert condition() or (time.monotonic() < deadline and state[0] in states), (state, what_slurm_logged(slurm, job_id, tmp_path))
         time.sleep(0.2)
 
 
