@@ -170,4 +170,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, out_of_memory_advice="lower --batch_size")  # the advice for the flags it has

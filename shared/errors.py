@@ -22,6 +22,9 @@ LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
                    "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
+# What a complete template's user lowers when memory runs out; a script with fewer flags gives run_main its own.
+OUT_OF_MEMORY_ADVICE = ("halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower "
+                        "--eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints")
 
 
 class UserError(Exception):
@@ -43,7 +46,7 @@ def first_line(error):
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
-def run_main(main):
+def run_main(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
     """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see end_in_its_sentence), as
     does running out of memory, Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made.
     SHOW_TRACEBACK=1 adds the traceback, for bug reports. main()'s garbage is collected while the interpreter is whole:
@@ -68,10 +71,7 @@ def run_main(main):
             sys.exit(STOPPED_EXIT_CODE)
         except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
             if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):  # CUDA's allocator, or the CPU's
-                sys.exit(end_in_its_sentence(UserError(
-                    f"Out of memory ({first_line(error)}): halve --batch_size and double --gradient_accumulation_steps (a step's samples "
-                    "stay the same), or lower --eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest "
-                    "if the run saved checkpoints.")))
+                sys.exit(end_in_its_sentence(UserError(f"Out of memory ({first_line(error)}): {out_of_memory_advice}.")))
             # Or, as a DistError before the group formed, another machine's processes stopped before they joined it.
             never_joined = isinstance(error, torch.distributed.DistError) and not torch.distributed.is_initialized()
             if not (never_joined or torch.distributed.is_initialized() and any(sign in str(error) for sign in LOST_PEER_SIGNS)):

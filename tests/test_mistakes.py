@@ -351,6 +351,20 @@ def test_running_out_of_memory_ends_in_one_sentence_that_says_what_to_lower(tmp_
         "evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints."), line
 
 
+def test_the_first_rung_runs_out_of_memory_with_advice_for_the_flags_it_has(tmp_path):
+    """toy_mlp.py has no --gradient_accumulation_steps or --eval_batch_size, which the complete templates' sentence
+    names: its own sentence names --batch_size alone. Its backward raises CUDA's error here (no GPU to fill)."""
+    code = ("import runpy, sys, torch\n"
+            "def backward(*args, **kwargs):\n    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
+            "torch.Tensor.backward = backward\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = run([sys.executable, "-c", code, SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "toy"], cwd=tmp_path, check=False)
+    assert result.returncode == 1 and error_lines(result.stderr) == [
+        "error: Out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.): lower --batch_size."], result.stderr[-3000:]
+    assert not (tmp_path / "toy").exists(), "a failed run removes the folder it made"
+
+
 def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path, fork_servers):
     """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
     nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
