@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import baselines  # noqa: E402
 from mnist_files import write_mnist_layout  # noqa: E402
 
+from shared.metrics import read_records  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # script -> training samples of the benchmark's data (the conv net's steps take longest)
 TRAIN_SAMPLES = {"cpu_gloo.py": 24000, "seq_net.py": 24000, "mnist_conv.py": 6000}
@@ -83,9 +85,8 @@ def run_script(command, env, output_dir):
 
 
 def read_metrics(output_dir):
-    """The records of a run's metrics.jsonl, one per epoch; a last line still being written (no newline yet) is not one."""
-    text = (Path(output_dir) / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+    """The records of a run's metrics.jsonl, one per epoch, as the scripts read them: a last line still being written is not one."""
+    return read_records(Path(output_dir), keys=["epoch"])
 
 
 def baseline_rate(baseline, script, processes, data_dir, num_epochs, default_threads=False, as_torchrun=False):

@@ -234,7 +234,8 @@ def damage(folder):
         recorded = state["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         return f"its {STATE_FILE} cannot be read: {error}"
-    if state.get("sha256", state_digest(state)) != state_digest(state):  # edited or damaged since (none recorded before 2026-11-27)
+    digest = state_digest(state)
+    if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)
         return f"its {STATE_FILE} differs from what was saved"
     for name, digest in recorded.items():
         try:

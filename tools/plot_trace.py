@@ -11,11 +11,10 @@ the device (tools/step_time.py counts those, in its device columns).
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
-from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace
+from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace, trace_files
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
@@ -53,7 +52,7 @@ def main():
     args = parser.parse_args()
     traces = []
     for folder in args.profile_dirs:
-        found = sorted(Path(folder).glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))  # rank 2 before 10
+        found = trace_files(folder)
         if not found:
             sys.exit(f"error: {folder} holds no trace_rank*.json: pass the profile/ folder of a run made with --profile.")
         traces += found

@@ -124,6 +124,15 @@ def table(rows, folder):
     return "\n".join(lines)
 
 
+def trace_files(folder):
+    """The trace_rank<N>.json files in a profile folder, by rank (2 before 10)."""
+    return sorted(Path(folder).glob("trace_rank*.json"), key=rank_of)
+
+
+def rank_of(trace_path):
+    return int(re.sub(r"\D", "", trace_path.name))
+
+
 def read_trace(path):
     """A Chrome trace that --profile wrote, or a one-sentence exit naming the file that is no trace."""
     try:
@@ -140,8 +149,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the profile folder of a run that --profile recorded (<output_dir>/profile)")
     folder = parser.parse_args().folder
-    traces = sorted(folder.glob("trace_rank*.json"), key=lambda path: int(re.sub(r"\D", "", path.name)))
-    rows = [{"process": int(re.sub(r"\D", "", path.name)), **step_time(read_trace(path))} for path in traces]
+    rows = [{"process": rank_of(path), **step_time(read_trace(path))} for path in trace_files(folder)]
     if not rows or not all(row["steps"] for row in rows):
         sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded step: pass the profile folder of a run "
                  "trained with --profile long enough to record its steps.")
