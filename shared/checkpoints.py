@@ -21,7 +21,7 @@ from accelerate.utils import DistributedType, gather_object
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
-from shared.errors import UserError, first_line
+from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, first_line
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
                                model_saved_after, named_checkpoint, writes_here)
@@ -267,7 +267,8 @@ def loading(path, accelerator, position=None):
         yield
     except (Exception, CheckpointException) as error:  # torch and safetensors raise many kinds on a damaged file
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
-        failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): resume from an earlier one."
+        advice = OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one"
+        failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): {advice}."
         # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.
         if accelerator.distributed_type == DistributedType.FSDP and cause is error:
             raise UserError(failure) from None

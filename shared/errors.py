@@ -22,6 +22,7 @@ LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 # How gloo, and NCCL when its errors reach Python (TORCH_NCCL_BLOCKING_WAIT=1), say a peer is gone.
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
                    "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
+OUT_OF_MEMORY_SIGNS = ("out of memory", "can't allocate memory")  # CUDA's, raised or wrapped (torch.compile's), and the CPU's
 # What a complete template's user lowers when memory runs out; a script with fewer flags gives run_main its own.
 OUT_OF_MEMORY_ADVICE = ("halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower "
                         "--eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints")
@@ -41,9 +42,9 @@ class Stopped(Exception):
 
 
 def first_line(error):
-    """The first line of an exception's message, for a one-sentence error."""
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
+    """The first line of an exception's message, for a one-sentence error (two where the first ends in a colon, a heading)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:200]
 
 
 def run_main(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
@@ -70,7 +71,7 @@ def run_main(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
             leave_process_group_together()
             sys.exit(STOPPED_EXIT_CODE)
         except RuntimeError as error:  # gloo reports a lost peer as a RuntimeError (DistBackendError or plain)
-            if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):  # CUDA's allocator, or the CPU's
+            if any(sign in str(error) for sign in OUT_OF_MEMORY_SIGNS):
                 sys.exit(end_in_its_sentence(UserError(f"Out of memory ({first_line(error)}): {out_of_memory_advice}.")))
             # Or, as a DistError before the group formed, another machine's processes stopped before they joined it.
             never_joined = isinstance(error, torch.distributed.DistError) and not torch.distributed.is_initialized()

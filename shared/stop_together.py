@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from shared.errors import UserError, first_line
+from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, first_line
 
 
 def if_any_failed(sentence):
@@ -44,7 +44,9 @@ def if_write_fails(path, advice):
         yield
     except Exception as failure:  # torch, safetensors and the OS raise many kinds on a failed write
         cause = first_line(failure)
-        if "space" not in cause:  # torch.save says only "iostream error" on a full disk
+        if any(sign in str(failure) for sign in OUT_OF_MEMORY_SIGNS):  # the memory to copy or gather what is written, not the disk
+            advice = f"{OUT_OF_MEMORY_ADVICE}."
+        elif "space" not in cause:  # torch.save says only "iostream error" on a full disk
             with contextlib.suppress(OSError):  # a disk that cannot say (NFS's stale handle): the cause alone
                 # os.path.exists: pathlib's raises where a folder above cannot be searched (a chmod, NFS's expired credentials)
                 free = shutil.disk_usage(next(folder for folder in Path(path).parents if os.path.exists(folder))).free

@@ -337,18 +337,45 @@ def test_a_mistake_only_one_rank_finds_is_said_by_that_rank(tmp_path):
     assert result.returncode == 1 and result.stderr.splitlines() == ["[rank 1] error: a mistake only rank 1 found: fix it."], result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("allocator", ["cpu", "cuda"])
+@pytest.mark.parametrize("allocator", ["cpu", "cuda", "compiled"])
 def test_running_out_of_memory_ends_in_one_sentence_that_says_what_to_lower(tmp_path, allocator):
     """A batch too large for the device: every rank meets the CPU allocator's refusal, or one rank alone
-    CUDA's torch.OutOfMemoryError (raised by the probe: no GPU here). Before, a traceback of each."""
-    probe = [PROBES / "out_of_memory.py", *(["cuda"] if allocator == "cuda" else [])]
+    CUDA's torch.OutOfMemoryError (raised by the probe: no GPU here), or that error wrapped in torch.compile's
+    BackendCompilerFailed, which says it only in its message. Before, a traceback of each (of the last, until 2026-11-27)."""
+    probe = [PROBES / "out_of_memory.py", *([allocator] if allocator != "cpu" else [])]
     result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", *probe), cwd=tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.stderr.splitlines()
-    said = {"cpu": "error: Out of memory ([enforce fail at", "cuda": "[rank 1] error: Out of memory (CUDA out of memory. Tried to allocate 20.00 GiB."}
+    said = {"cpu": "error: Out of memory ([enforce fail at", "cuda": "[rank 1] error: Out of memory (CUDA out of memory. Tried to allocate 20.00 GiB.",
+            "compiled": "[rank 1] error: Out of memory (backend='inductor' raised: OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB."}
     assert line.startswith(said[allocator]) and line.endswith(
         "): halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower --eval_batch_size if "
         "evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints."), line
+
+
+@pytest.mark.parametrize("method", ["save_state", "load_state"])
+def test_running_out_of_memory_in_a_save_or_a_load_says_what_to_lower(place, tmp_path, method):
+    """A checkpoint's save copies the weights and the optimizer's state (FSDP's gathers them), and a resume's load puts
+    them on the device: either can run out of memory, here on one of 2 processes. Before, the sentence blamed the disk
+    ("free space"), or the checkpoint ("resume from an earlier one", which runs out the same way)."""
+    output = tmp_path / "run"
+    if method == "load_state":
+        shutil.copytree(place / "preempted", output)  # checkpoints after epochs 1 and 2, the model not saved yet
+    before = folder_snapshot(output) if output.exists() else {}
+    script = SCRIPTS / "cpu_gloo.py"
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "out_of_memory_in.py", method, script,
+                        "--data_dir", place / "data", "--output_dir", output, "--num_epochs", "2", "--checkpointing_steps", "2",
+                        *(["--resume_from_checkpoint", "latest"] if method == "load_state" else [])), cwd=tmp_path, check=False)
+    what = (f"Could not write {output / 'checkpoints' / 'step_00000002'}" if method == "save_state"
+            else f"Checkpoint {output / 'checkpoints' / 'step_00000008'} could not be loaded")
+    assert result.returncode == 1 and error_lines(result.stderr) == [
+        f"error: {what} (CUDA out of memory. Tried to allocate 2.00 GiB.): halve --batch_size and double --gradient_accumulation_steps "
+        "(a step's samples stay the same), or lower --eval_batch_size if evaluation ran out, then resume with "
+        "--resume_from_checkpoint latest if the run saved checkpoints."], result.stderr[-3000:]
+    if method == "load_state":
+        assert folder_snapshot(output) == before, "the checkpoints it could not load stay as they were"
+    else:
+        assert not list((output / "checkpoints").glob("*step_*")), "nor is a part of the failed save left"
 
 
 def test_the_first_rung_runs_out_of_memory_with_advice_for_the_flags_it_has(tmp_path):

@@ -69,13 +69,14 @@ def gpu_shaped_trace():
     """Two profiled steps of 10 ms in the shape Kineto writes with CUDA: each ProfilerStep#N on the host's
     main thread and again on the device's row (gpu_user_annotation); autograd's functions and DDP's
     copy_bucket_to_grad on autograd's device thread; compute kernels on stream 7 and NCCL's all-reduce
-    on stream 20, 1 ms of it beside backward's last kernel and 1.5 ms alone."""
+    on stream 20, 1 ms of it beside backward's last kernel and 1.5 ms alone, after NCCL's broadcast of
+    BatchNorm's buffers (DDP's, before forward's first kernel)."""
     events = []
     for start in (0, 20_000):
         def event(cat, name, ts, dur, pid=100, tid=1):
             events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": start + ts, "dur": dur})
         event("user_annotation", f"ProfilerStep#{start}", 0, 10_000)
-        event("gpu_user_annotation", f"ProfilerStep#{start}", 1_000, 11_000, pid=0, tid=7)
+        event("gpu_user_annotation", f"ProfilerStep#{start}", 500, 11_500, pid=0, tid=7)
         event("user_annotation", "DistributedDataParallel.forward", 0, 2_000)
         event("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 2_500, 3_500, tid=2)
         event("cpu_op", "torch.distributed.ddp.reducer::copy_bucket_to_grad", 6_000, 100, tid=2)
@@ -83,18 +84,20 @@ def gpu_shaped_trace():
         for ts, dur in ((1_000, 2_000), (3_000, 4_000), (9_000, 1_000)):
             event("kernel", "void at::native::vectorized_elementwise_kernel<4>(...)", ts, dur, pid=0, tid=7)
         event("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 6_000, 2_500, pid=0, tid=20)
+        event("kernel", "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 500, 400, pid=0, tid=20)
     return {"traceEvents": events}
 
 
 def test_the_step_table_of_a_gpu_trace_counts_each_step_once_and_reads_nccl_from_the_device():
     """Kineto repeats each step on the device's rows, and on a GPU the host never waits on NCCL: the table
-    counts the host's steps, and takes the all-reduce from NCCL's kernels against the others."""
+    counts the host's steps, and takes the all-reduce from NCCL's kernels against the others. A broadcast is no
+    all-reduce (before 2026-11-27 it was counted as one), but the device was busy with it."""
     sys.path.insert(0, str(TOOLS))
     from step_time import step_time
 
     row = step_time(gpu_shaped_trace())
     assert row == {"step": 10.0, "forward": 2.0, "backward": 3.5, "optimizer": 1.0, "data and loop": 3.5, "all-reduce wait": 1.5,
-                   "device busy": 8.5, "all-reduce under backward": 1.0, "steps": 2, "left out": 0, "timeline": "device"}
+                   "device busy": 8.9, "all-reduce under backward": 1.0, "steps": 2, "left out": 0, "timeline": "device"}
 
 
 def test_the_step_table_of_a_real_h100_trace_counts_each_step_once():

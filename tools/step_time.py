@@ -19,8 +19,8 @@ DDP's gradient all-reduce:
   runs it), and `all-reduce under backward` is gloo's all-reduce time while backward still computed;
 - on a GPU the host never waits on NCCL, so both come from the device timeline: the time NCCL's
   kernels ran while no other kernel did (the step waits for it: `all-reduce wait`), and while other
-  kernels ran beside them (`all-reduce under backward`); `device busy` is the time any kernel ran,
-  the step's floor on that device.
+  kernels ran beside them (`all-reduce under backward`), a broadcast's left out (DDP's of BatchNorm's
+  buffers, in forward); `device busy` is the time any kernel ran, the step's floor on that device.
 """
 
 import argparse
@@ -92,8 +92,10 @@ def step_time(trace):
         if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
             device_start, device_end = on_device.get(step["name"], (start, end))
             ran = [event for event in kernels if device_start <= event["ts"] < device_end]
-            nccl = [event for event in ran if "nccl" in event["name"].lower()]
-            compute = merged((event["ts"], event["ts"] + event["dur"]) for event in ran if event not in nccl)
+            # The gradients' collectives (FSDP's all-gathers and reduce-scatters too), not a broadcast: DDP's of BatchNorm's
+            # buffers before each forward counts as the device's work, for fewer or larger buckets would not shorten it.
+            nccl = [event for event in ran if "nccl" in event["name"].lower() and "broadcast" not in event["name"].lower()]
+            compute = merged((event["ts"], event["ts"] + event["dur"]) for event in ran if "nccl" not in event["name"].lower())
             hidden = sum(overlap(event["ts"], event["ts"] + event["dur"], compute) for event in nccl)
             phases["data and loop"] = max(0.0, step["dur"] - sum(phases.values()))
             phases["all-reduce wait"] = sum(event["dur"] for event in nccl) - hidden

@@ -1,23 +1,32 @@
 """Launched by the tests like a training script: every rank asks torch's CPU allocator for more memory
 than any machine has, as a batch too large for its device would; with the argument `cuda`, the last rank
-alone raises the torch.OutOfMemoryError that CUDA's allocator raises (no GPU here to fill). Either must
+alone raises the torch.OutOfMemoryError that CUDA's allocator raises (no GPU here to fill), and with
+`compiled` that error as torch.compile raises it when its compiler ran out, wrapped in its own. Each must
 end in the one sentence that says what to lower."""
 
 import sys
 
 import torch
 from accelerate import Accelerator
+from torch._dynamo.exc import BackendCompilerFailed
 
 from shared.devices import cpu_only
 from shared.errors import run_main
 
 
+def inductor(graph, example_inputs):
+    """Stands for torch.compile's default backend, which names it in its error."""
+
+
 def main():
     accelerator = Accelerator(cpu=cpu_only())
-    if sys.argv[1:] == ["cuda"]:
+    if sys.argv[1:] in (["cuda"], ["compiled"]):
         if accelerator.process_index == accelerator.num_processes - 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 1 has a total capacity of 79.19 GiB "
-                                         "of which 3.06 GiB is free.")
+            error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 1 has a total capacity of 79.19 GiB "
+                                           "of which 3.06 GiB is free.")
+            if sys.argv[1:] == ["compiled"]:  # as torch._dynamo's OutputGraph.call_user_compiler raises it: the error in its message alone
+                raise BackendCompilerFailed(inductor, error, None) from None
+            raise error
     else:
         torch.empty(1 << 50, dtype=torch.uint8, device=accelerator.device)
     for _ in range(3):  # the others go on with the group, as in a training step
