@@ -10,20 +10,25 @@ import sys
 import threading
 
 from shared import preemption, run_folder
-from shared.errors import UserError, end_in_its_sentence, exit_now
+from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, end_in_its_sentence, exit_now, first_line
 
 
-def in_notebook(main):
-    """main, for notebook_launcher, which every process it starts calls: a UserError ends in its one
-    sentence, as under errors.run_main, not in a traceback of every process; the cell then ends. With one
-    process, notebook_launcher runs main in the kernel itself, which lives on: at the run's end its
-    --output_dir is let go and preemption's watchdog ends, and a mistake ends the cell, never the kernel."""
+def in_notebook(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
+    """main, for notebook_launcher, which every process it starts calls: a UserError, or running out of
+    memory, ends in its one sentence, as under errors.run_main, not in a traceback of every process; the
+    cell then ends. With one process, notebook_launcher runs main in the kernel itself, which lives on: at
+    the run's end its --output_dir is let go and preemption's watchdog ends, and a mistake ends the cell,
+    never the kernel."""
     kernel = os.getpid()
 
     def run(*args):
         try:
             main(*args)
-        except UserError as error:
+        except Exception as error:  # any other than these two is raised as it is
+            if not isinstance(error, UserError) and any(sign in str(error) for sign in OUT_OF_MEMORY_SIGNS):
+                error = UserError(f"Out of memory ({first_line(error)}): {out_of_memory_advice}.")
+            if not isinstance(error, UserError):
+                raise
             end_in_its_sentence(error)
             if not error.every_process and os.getpid() != kernel:  # the others go on: the launcher stops them once this one fails
                 exit_now(1)

@@ -170,7 +170,8 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     os._exit there); a run lets its --output_dir go at its end, so the next cell can replace it (before,
     the kernel held the lock until it exited, and the folder was 'in use by a run still going'); an
     interrupt of the idle kernel after a run with checkpoints leaves it alive (preemption's watchdog
-    ended it with exit 130), and no run's watchdog thread is left waiting (each run left one)."""
+    ended it with exit 130), and no run's watchdog thread is left waiting (each run left one). A run that runs
+    out of memory (CUDA's error, raised by its backward here) ends in that sentence too (until 2026-11-27, a traceback)."""
     import nbformat
 
     def cell(*flags):
@@ -196,15 +197,28 @@ except KeyboardInterrupt:
 time.sleep(4)
 print("the kernel lives on")
 """
+    out_of_memory = """
+import torch
+backward = torch.Tensor.backward
+def out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+torch.Tensor.backward = out_of_memory
+"""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
         "from shared.preemption import Preemption\nPreemption.GRACE_S = 2",
-        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"), interrupt,
+        cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"),
+        out_of_memory + cell(*common[2:], "--output_dir", tmp_path / "out_of_memory") + "torch.Tensor.backward = backward", interrupt,
         "import threading\nprint('watchdogs left:', sum('_end_if_stuck' in thread.name for thread in threading.enumerate()))")])
     run_in_a_kernel(notebook, tmp_path)
     said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
     assert "error: --eval_only needs --resume_from_checkpoint" in said[1] and all(
         output.output_type == "stream" for each in notebook.cells for output in each.outputs), said
     assert "error" not in said[2] + said[3], said
+    assert [line for line in said[4].splitlines() if "error" in line] == [
+        "error: Out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.): halve --batch_size and double "
+        "--gradient_accumulation_steps (a step's samples stay the same), or lower --eval_batch_size if evaluation ran out, "
+        "then resume with --resume_from_checkpoint latest if the run saved checkpoints."], said[4]
+    assert not (tmp_path / "out_of_memory").exists(), "a failed run removes the folder it made"
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
     assert notebook.cells[-2].outputs[-1].text == "the kernel lives on\n"
