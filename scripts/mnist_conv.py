@@ -143,8 +143,8 @@ def main(argv=None):
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, test_loader, scheduler)
     if not args.eval_only:  # which takes no step
         flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
-    # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check
-    # that could stop the run before it trains, does --overwrite_output_dir delete the run it holds.
+    # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check that
+    # could stop the run before it trains but those of a resume and a tracker, does --overwrite_output_dir set it aside.
     output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
                                                  resuming=run_folder.resumes_here(args.resume_from_checkpoint, args.output_dir) or args.eval_only)
     accelerator.project_configuration.save_on_each_node = not shared_disk  # then each machine saves its own copy
@@ -183,7 +183,8 @@ def main(argv=None):
         with tracking.starting(accelerator, output_dir, args.report_to, start) as init_kwargs:
             accelerator.init_trackers("mnist_conv", config=tracking.hyperparameters(vars(args)), init_kwargs=init_kwargs)
     # Every process, now that nothing refuses the resume: the run goes on from the checkpoint, its later
-    # checkpoints set aside and only the records of the epochs before it kept.
+    # checkpoints set aside and only the records of the epochs before it kept; the run it replaces goes.
+    run_folder.replaced_run_goes()
     saved.branch_at(start)
     log.continue_from(start)
     num_epochs = args.num_epochs

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import socket
+import sys
+import time
 from pathlib import Path
 
 from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
@@ -24,6 +26,8 @@ STATE_FILE = "trainer_state.json"
 PROFILE_FOLDER = "profile"  # --profile: trace_rank<N>.json each
 TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS = "tensorboard", "mlflow.db", "mlflow_artifacts"  # --with_tracking
 LOCK_FILE = ".lock"  # locked by the live run's main process; the kernel lets go when that process ends, however it ends
+RUN_FILES = (METRICS_FILE, MODEL_FILE, EVAL_FILE, CHECKPOINT_FOLDER, PROFILE_FOLDER, TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)
+REPLACED_FOLDER = ".replaced"  # --overwrite_output_dir: the run there before, set aside until nothing can refuse this one
 
 
 def checkpoints_in(folder):
@@ -84,7 +88,8 @@ def writes_here(accelerator):
 def prepare(accelerator, output_dir, *, overwrite, resuming):
     """Every process must call this: makes output_dir this run's, or stops all with a sentence when it is
     a file, a live run holds it, or it holds an earlier run that this one neither resumes (`resuming`)
-    nor replaces (`overwrite`, which deletes that run's files once this run holds the folder). The main
+    nor replaces (`overwrite`: that run's files are set aside once this run holds the folder, to go at
+    replaced_run_goes()). The main
     process takes it first; each other machine's first process then reads its lock file, and where it
     does not find the main process's (no shared disk), takes the path on its own disk. Returns the folder,
     and whether every machine shares it."""
@@ -117,6 +122,7 @@ def _take(output_dir, replace, resuming):
     except OSError as error:
         raise UserError(f"--output_dir {output_dir} could not be made or locked ({first_line(error)}): choose another "
                         "--output_dir, one you can write to.") from None
+    _put_back(output_dir)  # a run that a run killed before replaced_run_goes() had set aside
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if any((output_dir / CHECKPOINT_FOLDER).glob("*")):  # a run stopped before its first epoch's record holds only these
         earlier.append(CHECKPOINT_FOLDER)
@@ -126,16 +132,51 @@ def _take(output_dir, replace, resuming):
             + ("continue it with --resume_from_checkpoint latest, " if checkpoints_in(output_dir / CHECKPOINT_FOLDER) else "")
             + "choose another --output_dir, or pass --overwrite_output_dir to replace it.")
     if replace:  # all that a run writes here, by the names above: a trace or tracker log left behind would mix with this run's
-        try:
-            for earlier in (output_dir / name for name in (METRICS_FILE, MODEL_FILE, EVAL_FILE, MLFLOW_DB)):
-                earlier.unlink(missing_ok=True)
-            for earlier in (output_dir / name for name in (CHECKPOINT_FOLDER, PROFILE_FOLDER, TENSORBOARD_FOLDER, MLFLOW_ARTIFACTS)):
-                if os.path.lexists(earlier):
-                    shutil.rmtree(earlier)
-        except OSError as error:  # a file that will not go, or a folder in a file's place: old checkpoints must not mix with new
-            raise UserError(f"--overwrite_output_dir could not delete {earlier}, of the run there before ({first_line(error)}): "
-                            "delete it yourself, or choose another --output_dir.") from None
+        _set_aside(output_dir)
     return _holder(output_dir)
+
+
+def _set_aside(output_dir):
+    """Move the earlier run's files into output_dir/.replaced, each by one rename, until replaced_run_goes() deletes
+    them: a check that refuses this run after prepare() (a checkpoint to resume, a tracker) finds them put back."""
+    aside = moving = output_dir / REPLACED_FOLDER
+    try:
+        aside.mkdir(exist_ok=True)
+        for moving in (output_dir / name for name in RUN_FILES if os.path.lexists(output_dir / name)):
+            os.rename(moving, aside / moving.name)
+    except OSError as error:  # a folder this user may not move (its `..` cannot change): old checkpoints must not mix with new
+        _put_back(output_dir)
+        raise UserError(f"--overwrite_output_dir could not set {moving} aside, of the run there before ({error.strerror}): "
+                        "delete it yourself, or choose another --output_dir.") from None
+    _REPLACING.append(output_dir)
+
+
+def _put_back(output_dir):
+    """The files of a run set aside in output_dir/.replaced, back in their places (a name this run has taken stays aside)."""
+    aside = output_dir / REPLACED_FOLDER
+    for name in RUN_FILES:
+        if os.path.lexists(aside / name) and not os.path.lexists(output_dir / name):
+            with contextlib.suppress(OSError):
+                os.rename(aside / name, output_dir / name)
+    with contextlib.suppress(OSError):  # only once empty
+        aside.rmdir()
+
+
+def replaced_run_goes():
+    """The run that --overwrite_output_dir replaces, set aside by prepare(), is deleted: call it once nothing can refuse
+    this run. Renamed first, so that a delete cut short is never put back; one that cannot go stays, with a warning."""
+    while _REPLACING:
+        aside = _REPLACING.pop() / REPLACED_FOLDER
+        going = aside.with_name(f"{REPLACED_FOLDER}_deleted_{time.time_ns()}")
+        try:
+            aside.rename(going)
+            shutil.rmtree(going)
+        except OSError as error:
+            print(f"warning: could not delete the run that --overwrite_output_dir replaced ({first_line(error)}): delete "
+                  f"{going if going.exists() else aside} yourself.", file=sys.stderr, flush=True)
+
+
+_REPLACING = []  # each --output_dir whose earlier run this process set aside, until replaced_run_goes()
 
 
 def _hold(path):
@@ -168,7 +209,9 @@ _HELD = []  # (lock file, its open file) of each --output_dir this process holds
 def let_go():
     """Let go of every --output_dir this process holds: at its exit, or at the end of a run in a process that
     outlives it (a notebook's kernel). Each lock file is removed while still held, unless another run's file
-    has taken its place."""
+    has taken its place. A run that ends before replaced_run_goes() first puts back the run it had set aside."""
+    while _REPLACING:
+        _put_back(_REPLACING.pop())
     while _HELD:
         path, lock = _HELD.pop()
         with contextlib.suppress(OSError):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (AS_AN_ORDINARY_USER, CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, run,
+from conftest import (AS_AN_ORDINARY_USER, CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, read_metrics, run,
                       script_env, scripts_of)
 from synthetic_digits import write_small_mnist
 
@@ -193,6 +193,10 @@ MISTAKES = {
     "accumulation longer than an epoch, overwriting a run": (
         lambda p: cpu_gloo(p, "--overwrite_output_dir", "--gradient_accumulation_steps", "100", output="earlier"),
         "--gradient_accumulation_steps 100 is more than the 4 batches"),
+    # Set aside, the run is put back where a check after that refuses this one: a checkpoint to resume (a run's folder here).
+    "another run's folder to resume, overwriting a run": (
+        lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "preempted", "--overwrite_output_dir", output="earlier"),
+        "preempted holds checkpoints but is not one"),
     "data folder without the files, offline, overwriting a run": (
         lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "earlier", "--overwrite_output_dir"),
         "empty/MNIST/raw and could not be downloaded"),
@@ -481,31 +485,63 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
     assert not (tmp_path / "mine").exists()
 
 
-@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
-@pytest.mark.parametrize("left", ["read-only checkpoint", "folder named model.safetensors"])
-def test_an_earlier_run_that_overwrite_cannot_delete_ends_in_one_sentence(place, tmp_path, left):
-    """--overwrite_output_dir over a run whose checkpoint is a folder this user may not delete from, or whose
-    model.safetensors is a folder: one sentence, and no training beside what is left. Before, the folders it
-    could not delete stayed silently (shutil.rmtree's ignore_errors), their checkpoints to mix with the new
-    run's, and a folder in the model file's place ended in a traceback."""
+def test_a_run_set_aside_by_a_killed_overwrite_is_put_back(place, tmp_path):
+    """A run killed after --overwrite_output_dir set the earlier run aside, before it could delete it (SIGKILL, or
+    Ctrl-C, which ends at once): the next launch into the folder finds the earlier run back in its place."""
     earlier = tmp_path / "earlier"
     shutil.copytree(place / "earlier", earlier)
-    checkpoint = earlier / "checkpoints" / "step_00000004"
-    if left == "read-only checkpoint":
-        checkpoint.chmod(0o555)
-        named, cause = earlier / "checkpoints", "[Errno 13] Permission denied: 'model.safetensors'"
+    before = folder_snapshot(earlier)
+    (earlier / ".replaced").mkdir()
+    for name in ("metrics.jsonl", "model.safetensors", "checkpoints"):
+        (earlier / name).rename(earlier / ".replaced" / name)
+    result = run(cpu_gloo(place, output=earlier), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and error_lines(result.stderr) == [
+        f"error: --output_dir {earlier} already holds a run (metrics.jsonl, model.safetensors, checkpoints): continue it with "
+        "--resume_from_checkpoint latest, choose another --output_dir, or pass --overwrite_output_dir to replace it."], result.stderr[-3000:]
+    assert folder_snapshot(earlier) == before
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
+@pytest.mark.parametrize("left", ["read-only checkpoints folder", "read-only checkpoint", "folder named model.safetensors"])
+def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_path, left):
+    """--overwrite_output_dir sets the earlier run aside, each file and folder by one rename, and deletes it once nothing
+    refuses the new run. A checkpoints folder this user may not move (its `..` cannot change): one sentence, and the
+    run put back as it was. A checkpoint whose files this user may not delete: the new run trains, and a warning names
+    what is left, hidden where neither `latest` nor pruning looks. A folder in the model file's place goes like the
+    rest (before, a traceback)."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(place / "earlier", earlier)
+    read_only = {"read-only checkpoints folder": earlier / "checkpoints", "read-only checkpoint": earlier / "checkpoints" / "step_00000004"}
+    if left in read_only:
+        read_only[left].chmod(0o555)
     else:
         (earlier / "model.safetensors").unlink()
         (earlier / "model.safetensors").mkdir()
-        named, cause = earlier / "model.safetensors", f"[Errno 21] Is a directory: '{earlier / 'model.safetensors'}'"
+    before = folder_snapshot(earlier)
     try:
-        result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--overwrite_output_dir", output=earlier), cwd=tmp_path, check=False)
+        result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--overwrite_output_dir", "--num_epochs", "1", output=earlier), cwd=tmp_path, check=False)
     finally:
-        checkpoint.chmod(0o755)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.splitlines() == [f"error: --overwrite_output_dir could not delete {named}, of the run there before ({cause}): "
-                                          "delete it yourself, or choose another --output_dir."], result.stderr[-3000:]
-    assert not (earlier / "metrics.jsonl").exists() and (earlier / "checkpoints").exists(), "deleted in part, and nothing trained"
+        for folder in earlier.rglob("*"):
+            if folder.is_dir():
+                folder.chmod(0o755)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if left == "read-only checkpoints folder":
+        assert result.returncode == 1 and error_lines(result.stderr) == [
+            f"error: --overwrite_output_dir could not set {earlier / 'checkpoints'} aside, of the run there before (Permission denied): "
+            "delete it yourself, or choose another --output_dir."], result.stderr[-3000:]
+        assert folder_snapshot(earlier) == before, "the run put back as it was"
+        return
+    assert result.returncode == 0 and len(read_metrics(earlier)) == 1 and (earlier / "model.safetensors").is_file(), result.stderr[-3000:]
+    assert not (earlier / "checkpoints").exists(), "no checkpoint of the run replaced, where this one saved none"
+    left_over = sorted(path.name for path in earlier.glob(".replaced*"))
+    if left == "read-only checkpoint":
+        (going,) = left_over
+        assert going.startswith(".replaced_deleted_") and (earlier / going / "checkpoints" / "step_00000004").is_dir()
+        assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+            f"warning: could not delete the run that --overwrite_output_dir replaced ([Errno 13] Permission denied: 'model.safetensors'): "
+            f"delete {earlier / going} yourself."], result.stderr[-3000:]
+    else:
+        assert left_over == [], left_over
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
