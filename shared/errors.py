@@ -133,12 +133,12 @@ def exit_now(code):
     os._exit(code)
 
 
-_MADE_BY_THIS_RUN = []
+MADE_BY_THIS_RUN = []  # of the run in this process (shared/notebook.py empties it after each of a kernel's runs)
 
 
 def remove_if_run_fails(path):
     """A folder or file this run has just made, which a failed run removes (a folder only if empty)."""
-    _MADE_BY_THIS_RUN.append(Path(path))
+    MADE_BY_THIS_RUN.append(Path(path))
 
 
 def make_folders(path):
@@ -152,7 +152,7 @@ def make_folders(path):
 
 
 def remove_what_the_failed_run_made():
-    for path in reversed(_MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
+    for path in reversed(MADE_BY_THIS_RUN):  # the newest, and so the innermost, first
         with contextlib.suppress(OSError):
             path.rmdir() if path.is_dir() else path.unlink()  # rmdir only succeeds when empty
 

@@ -10,21 +10,26 @@ import sys
 import threading
 
 from shared import preemption, run_folder
-from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, end_in_its_sentence, exit_now, first_line
+from shared.errors import (MADE_BY_THIS_RUN, OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, Stopped, UserError, end_in_its_sentence,
+                           exit_now, first_line, leave_process_group_together)
 
 
 def in_notebook(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
     """main, for notebook_launcher, which every process it starts calls: a UserError, or running out of
-    memory, ends in its one sentence, as under errors.run_main, not in a traceback of every process; the
-    cell then ends. With one process, notebook_launcher runs main in the kernel itself, which lives on: at
-    the run's end its --output_dir is let go and preemption's watchdog ends, and a mistake ends the cell,
-    never the kernel."""
+    memory, ends in its one sentence, and a signal to stop in its one line, as under errors.run_main, not
+    in a traceback of every process; the cell then ends. With one process, notebook_launcher runs main in
+    the kernel itself, which lives on: at the run's end its --output_dir is let go, preemption's watchdog
+    ends, what a failed run made is no longer this run's to remove, and a mistake ends the cell, never the kernel."""
     kernel = os.getpid()
 
     def run(*args):
         try:
             main(*args)
-        except Exception as error:  # any other than these two is raised as it is
+        except Stopped as stopped:  # a checkpoint saved on every process
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"Stopped by a signal to stop: {stopped}", file=sys.stderr, flush=True)
+            leave_process_group_together()
+        except Exception as error:  # any other than these is raised as it is
             if not isinstance(error, UserError) and any(sign in str(error) for sign in OUT_OF_MEMORY_SIGNS):
                 error = UserError(f"Out of memory ({first_line(error)}): {out_of_memory_advice}.")
             if not isinstance(error, UserError):
@@ -35,6 +40,7 @@ def in_notebook(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
         finally:
             run_folder.let_go()
             preemption.stop_watching()
+            MADE_BY_THIS_RUN.clear()  # the kernel's next run, which fails, must not remove what this one made
     return run
 
 

@@ -189,7 +189,7 @@ def test_a_mistake_on_a_full_disk_leaves_torchrun_no_cut_error_file(tmp_path, mo
     nothing). Where that file's disk is full (torchrun keeps it under /tmp, often the disk that filled), no
     file is left rather than an empty one, on which torchrun's agent fails reading the process's failure
     (ProcessFailure parses it), and the launcher with a second, cryptic line."""
-    monkeypatch.setattr(errors, "_MADE_BY_THIS_RUN", [])  # what this test process's own runs made stays
+    monkeypatch.setattr(errors, "MADE_BY_THIS_RUN", [])  # what this test process's own runs made stays
     with small_disk(tmp_path / "disk", 8192) as disk:
         with contextlib.suppress(OSError):
             (disk / "filler").write_bytes(bytes(3 * 8192))  # fills it

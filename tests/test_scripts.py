@@ -171,7 +171,9 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     the kernel held the lock until it exited, and the folder was 'in use by a run still going'); an
     interrupt of the idle kernel after a run with checkpoints leaves it alive (preemption's watchdog
     ended it with exit 130), and no run's watchdog thread is left waiting (each run left one). A run that runs
-    out of memory (CUDA's error, raised by its backward here) ends in that sentence too (until 2026-11-27, a traceback)."""
+    out of memory (CUDA's error, raised by its backward here) ends in that sentence too (until 2026-11-27, a traceback),
+    and removes none of what the kernel's earlier runs made (before, another live run's lock file in their folder); a
+    signal to stop (SIGUSR1, sent at its fifth step) saves and ends the cell in one line (before, a traceback)."""
     import nbformat
 
     def cell(*flags):
@@ -197,17 +199,33 @@ except KeyboardInterrupt:
 time.sleep(4)
 print("the kernel lives on")
 """
-    out_of_memory = """
+    out_of_memory = f"""
 import torch
 backward = torch.Tensor.backward
 def out_of_memory(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 torch.Tensor.backward = out_of_memory
+from pathlib import Path
+stand_in = Path({str(tmp_path / "run")!r}) / ".lock"
+stand_in.write_text("host elsewhere, process 1")  # the lock of a run started elsewhere after the kernel's runs into this folder
+"""
+    signal_at_step_5 = """
+import os, signal, torch
+step, steps = torch.optim.SGD.step, []
+def step_then_signal(self, *args, **kwargs):
+    steps.append(1)
+    if len(steps) == 5:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return step(self, *args, **kwargs)
+torch.optim.SGD.step = step_then_signal
 """
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
         "from shared.preemption import Preemption\nPreemption.GRACE_S = 2",
         cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"),
-        out_of_memory + cell(*common[2:], "--output_dir", tmp_path / "out_of_memory") + "torch.Tensor.backward = backward", interrupt,
+        out_of_memory + cell(*common[2:], "--output_dir", tmp_path / "out_of_memory") + "torch.Tensor.backward = backward\n"
+        + "print(\"another run's lock kept:\", stand_in.exists())\nstand_in.unlink()",
+        signal_at_step_5 + cell(*common[2:], "--output_dir", tmp_path / "stopped", "--num_epochs", "3") + "torch.optim.SGD.step = step",
+        interrupt,
         "import threading\nprint('watchdogs left:', sum('_end_if_stuck' in thread.name for thread in threading.enumerate()))")])
     run_in_a_kernel(notebook, tmp_path)
     said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
@@ -219,6 +237,10 @@ torch.Tensor.backward = out_of_memory
         "--gradient_accumulation_steps (a step's samples stay the same), or lower --eval_batch_size if evaluation ran out, "
         "then resume with --resume_from_checkpoint latest if the run saved checkpoints."], said[4]
     assert not (tmp_path / "out_of_memory").exists(), "a failed run removes the folder it made"
+    assert "another run's lock kept: True" in notebook.cells[4].outputs[-1].text
+    assert [line for line in said[5].splitlines() if "Stopped" in line or "error" in line] == [
+        f"Stopped by a signal to stop: saved {tmp_path / 'stopped' / 'checkpoints' / 'step_00000010'} after step 10; continue with "
+        "--resume_from_checkpoint latest."], said[5]
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
     assert notebook.cells[-2].outputs[-1].text == "the kernel lives on\n"
