@@ -413,8 +413,9 @@ def main():
                   "one had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
                   file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
-    except KeyboardInterrupt:
-        fail("Training stopped by Ctrl-C; resume it with --resume_from_checkpoint latest if it saved checkpoints.")
+    except KeyboardInterrupt:  # before the processes could say it (as they start), or where the launcher alone got it
+        print("Stopped by Ctrl-C; resume with --resume_from_checkpoint latest if the run saved checkpoints.", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

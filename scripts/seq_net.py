@@ -236,4 +236,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    errors.run_main(main)
+    errors.run_main(main, flags.OUT_OF_MEMORY_ADVICE)  # what to lower, out of memory: the flags it has

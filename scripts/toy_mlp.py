@@ -59,8 +59,8 @@ def positive(kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not 0 < value < math.inf:  # nan and inf too, which would train a model of nan weights
-            raise argparse.ArgumentTypeError(f"must be greater than 0 and finite, got {text}")
+        if not 0 < value <= 3.4e38:  # not nan or inf, which would train a model of nan weights, nor past float32's range
+            raise argparse.ArgumentTypeError(f"must be above 0 and at most 3.4e38, float32's largest, got {text}")
         return value
     return parse
 
@@ -109,6 +109,8 @@ def main(argv=None):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               # The shuffle order depends only on the seed and the epoch, identically on every process.
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed))
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would train in fp32, saying nothing
+        raise UserError("Mixed precision fp16 runs only on a GPU: pass --mixed_precision bf16 (the CPU runs it) or no.", every_process=True)
     set_seed(args.seed)
     output_dir = Path(args.output_dir)
     # Found now, not after training (os.path: no PermissionError for a folder inside one this user cannot enter).
@@ -170,4 +172,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main, out_of_memory_advice="lower --batch_size")  # the advice for the flags it has
+    run_main(main)

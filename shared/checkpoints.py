@@ -21,7 +21,8 @@ from accelerate.utils import DistributedType, gather_object
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
-from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.errors import OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.flags import OUT_OF_MEMORY_ADVICE
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
                                model_saved_after, named_checkpoint, writes_here)
@@ -46,8 +47,7 @@ class Checkpoints:
 
     def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs):
         self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
-        self.every, self.keep, self.batch_size, self.num_epochs = every, keep, batch_size, num_epochs
-        self.batches_per_epoch = batches_per_epoch
+        self.every, self.keep, self.num_epochs, self.batch_size, self.batches_per_epoch = every, keep, num_epochs, batch_size, batches_per_epoch
         self.started = time.perf_counter()
         self.newest = None  # the last checkpoint this run saved
         self.writes = writes_here(accelerator)
@@ -102,9 +102,10 @@ class Checkpoints:
             "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
             "batches_per_epoch": self.batches_per_epoch, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # renamed, not deleted in place: a kill midway leaves no half of it for `latest` (branch_at removes it)
+            final.rename(final.with_name(f".pruned_{final.name}"))
         partial.rename(final)
+        shutil.rmtree(final.with_name(f".pruned_{final.name}"), ignore_errors=True)
 
     def _prune(self):
         """All but the newest `keep` checkpoints go, each first renamed so that one half-deleted is no
@@ -126,6 +127,9 @@ class Checkpoints:
         `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
         epochs but no intact checkpoint, or has finished, stops with a sentence. Later checkpoints stay (see branch_at)."""
         path = first_intact(self.accelerator, self.output_dir, spec)
+        if path and path.name.startswith("abandoned_") and path.parent.resolve() == self.folder.resolve():  # a later branch's folder
+            raise UserError(f"Checkpoint {path} was set aside when its run went on from an earlier one: resume it with another "
+                            "--output_dir, where it starts a run of its own (or --eval_only it).", every_process=True)
         if path is None:
             stop_together.on_main_process(self.accelerator, self._check_nothing_to_resume)
             self.accelerator.print(f"No checkpoint in {self.folder} yet: starting from the beginning.")

@@ -26,7 +26,8 @@ class EarlyStopping:
     def _check_not_stopped(self, output_dir, checkpoint):
         self.history = read_records(output_dir)  # the main process's alone: only it decides
         if self.history and model_saved_after(output_dir, checkpoint) and (reason := self._reason(self.history[-1])):
-            raise UserError(f"The run in {output_dir} already stopped early after epoch {self.history[-1]['epoch']} ({reason}): "
+            # Said of what the records show by these flags: the run may have stopped there early, or trained its --num_epochs.
+            raise UserError(f"The run in {output_dir} has stopped early by these flags, after epoch {self.history[-1]['epoch']} ({reason}): "
                             "loosen --early_stopping_patience or --early_stopping_target to train further, or start a new run "
                             "in another --output_dir.")
 

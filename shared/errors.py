@@ -23,9 +23,6 @@ LONE_ERROR_WAIT_S, LOST_PEER_WAIT_S = 3, 5
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
                    "Watchdog caught collective operation timeout", "ncclRemoteError", "NCCL communicator was aborted")
 OUT_OF_MEMORY_SIGNS = ("out of memory", "can't allocate memory")  # CUDA's, raised or wrapped (torch.compile's), and the CPU's
-# What a complete template's user lowers when memory runs out; a script with fewer flags gives run_main its own.
-OUT_OF_MEMORY_ADVICE = ("halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower "
-                        "--eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints")
 
 
 class UserError(Exception):
@@ -47,9 +44,9 @@ def first_line(error):
     return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:200]
 
 
-def run_main(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
+def run_main(main, out_of_memory_advice="lower --batch_size"):
     """Run a script's main(): a UserError ends the process in its sentence and exit code 1 (see end_in_its_sentence), as
-    does running out of memory, Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made.
+    does running out of memory (with `out_of_memory_advice`), Stopped in 143, a lost peer in 75, Ctrl-C in 130; a failed run removes what it had made.
     SHOW_TRACEBACK=1 adds the traceback, for bug reports. main()'s garbage is collected while the interpreter is whole:
     a gloo group destroyed in the interpreter's shutdown aborts the process (the scripts' free_memory() too)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -109,9 +106,10 @@ def end_in_its_sentence(error):
     speaks = rank == 0 or (error.every_process and int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if speaks:
         print(f"error: {error}", file=sys.stderr, flush=True)
-    else:  # the launcher's SIGTERM, once the one that speaks has left, ends this process, not sets preemption's trigger
+    else:  # the launcher's SIGTERM, once the one that speaks has left, ends this process in exit code 1, not in preemption's
+        # trigger or 143, the code of a run stopped to save, on which SLURM's batch script requeues (a run failing every time)
         for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(stop_signal, signal.SIG_DFL)
+            signal.signal(stop_signal, lambda *_: exit_now(1))
     leave_process_group_together()
     if speaks or error.every_process:
         return int(speaks)

@@ -8,6 +8,9 @@ from shared.errors import UserError
 
 BATCH_SIZE_HELP = ("training samples per optimizer step, split evenly across the processes, so that any number of "
                    "processes takes the same steps on the same samples and trains the same model (with --no_split_batches: per process)")
+# What a complete template's user lowers when memory runs out, which run_main and the checks of writes and loads give.
+OUT_OF_MEMORY_ADVICE = ("halve --batch_size and double --gradient_accumulation_steps (a step's samples stay the same), or lower "
+                        "--eval_batch_size if evaluation ran out, then resume with --resume_from_checkpoint latest if the run saved checkpoints")
 KEEP_UNDER_RESTARTS = 2  # the newest to resume from, and one before it in case the newest is damaged
 
 
@@ -28,6 +31,7 @@ non_negative_int = _number(int, "a whole number", lambda value: value >= 0, "0 o
 positive_float = _number(float, "a number", lambda value: value > 0, "greater than 0")
 accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy above 0 and at most 1")
 learning_rate = _number(float, "a number", lambda value: 0 < value <= 3.4e38, "above 0 and at most 3.4e38, float32's largest")
+megabytes = _number(float, "a number", lambda value: 0 < value <= 2**20, "above 0 and at most a terabyte (1048576)")
 seed = _number(int, "a whole number", lambda value: 0 <= value < 2**32, f"from 0 to {2**32 - 1}, the seeds numpy takes")
 
 
@@ -96,7 +100,7 @@ def training_parser(description, *, output_dir, hub_name):
     add("--ddp_comm_hook", choices=["no", "fp16", "bf16", "power_sgd"], default="no",
         help="compress DDP's gradient all-reduce: fp16/bf16 halve its bytes, PowerSGD sends a low-rank approximation "
         "(see benchmarks/README.md for what each buys and costs)")
-    add("--ddp_bucket_cap_mb", type=positive_float, default=None,
+    add("--ddp_bucket_cap_mb", type=megabytes, default=None,
         help="DDP's gradient bucket size in MB (torch's default: 25): smaller buckets start their all-reduce earlier in backward")
     add("--profile", action="store_true",
         help="record a window of training steps with torch.profiler: a trace per process under <output_dir>/profile/")

@@ -10,7 +10,8 @@ import sys
 import threading
 
 from shared import preemption, run_folder
-from shared.errors import (MADE_BY_THIS_RUN, OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, Stopped, UserError, end_in_its_sentence,
+from shared.flags import OUT_OF_MEMORY_ADVICE
+from shared.errors import (MADE_BY_THIS_RUN, OUT_OF_MEMORY_SIGNS, Stopped, UserError, end_in_its_sentence,
                            exit_now, first_line, leave_process_group_together)
 
 

@@ -1,9 +1,9 @@
 """Save, then stop, when a cluster warns that the job is about to be killed.
 
 SIGTERM (Kubernetes, `scancel`, and torchrun passing on its own) and SIGUSR1 (SLURM's `--signal`)
-set accelerate's trigger (accelerator.set_trigger) on the process that receives them; every
-CHECK_EVERY optimizer steps all processes learn in one all-reduce (accelerator.check_trigger) whether
-any was signalled, so they save and stop after the same step. A check every step costs as much as a
+mark the process that receives them; every CHECK_EVERY optimizer steps a marked process sets
+accelerate's trigger (accelerator.set_trigger) and all processes learn in one all-reduce
+(accelerator.check_trigger) whether any was signalled, so they save and stop after the same step. A check every step costs as much as a
 second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is within noise
 (benchmarks/README.md).
 
@@ -57,17 +57,24 @@ class Preemption:
     BUSY_LIMIT_S = 80
 
     def __init__(self, accelerator, enabled):
-        self.accelerator, self.enabled, self.ended = accelerator, enabled, threading.Event()
+        self.accelerator, self.enabled, self.ended, self.signalled = accelerator, enabled, threading.Event(), False
         if enabled:
-            self.replaced = {stop_signal: signal.signal(stop_signal, lambda signum, frame: accelerator.set_trigger())
-                             for stop_signal in (signal.SIGTERM, signal.SIGUSR1)}
+            self.replaced = {stop_signal: signal.signal(stop_signal, self._mark) for stop_signal in (signal.SIGTERM, signal.SIGUSR1)}
             threading.Thread(target=self._end_if_stuck, args=(signal_numbers(),), daemon=True).start()
             WATCHING.append(self)
+
+    def _mark(self, signum, frame):
+        self.signalled = True  # only a flag: the handler runs at any line, and set_trigger's tensor (a copy to the GPU) could
+        # land inside a CUDA graph's capture, or wait on a stream that a lost peer hangs
 
     def stop_agreed(self, step):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
         steps it is a collective, accelerator.check_trigger()."""
-        return self.enabled and step % self.CHECK_EVERY == 0 and self.accelerator.check_trigger()
+        if not self.enabled or step % self.CHECK_EVERY:
+            return False
+        if self.signalled:
+            self.accelerator.set_trigger()
+        return self.accelerator.check_trigger()
 
     def _end_if_stuck(self, reader):
         signum = None

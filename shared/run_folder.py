@@ -70,6 +70,9 @@ def named_checkpoint(path):
             raise UserError(f"Checkpoint {path} does not exist: pass a folder under <output_dir>/{CHECKPOINT_FOLDER}/, or 'latest'.")
         if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
             raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
+        if not (path / STATE_FILE).exists() and any((path / name).exists() for name in (METRICS_FILE, MODEL_FILE)):
+            raise UserError(f"{path} is a run's folder, which saved no checkpoint: evaluate its {MODEL_FILE} with --eval_only, or "
+                            "train it again with --overwrite_output_dir and --checkpointing_steps, to resume next time.")
         json.loads((path / STATE_FILE).read_text())
     except PermissionError as error:  # another user's folder, which this one may see but not enter
         raise UserError(f"Checkpoint {path} could not be read ({first_line(error)}): give yourself read access to it, "

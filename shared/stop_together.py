@@ -9,7 +9,8 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from shared.errors import OUT_OF_MEMORY_ADVICE, OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.errors import OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.flags import OUT_OF_MEMORY_ADVICE
 
 
 def if_any_failed(sentence):

@@ -211,13 +211,16 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(small_dat
     assert_same_weights(weights(whole), weights(branch))
     assert_same_records(read_metrics(whole), read_metrics(branch), rel=1e-6)
 
-    # Back to the abandoned branch's step 16: only the checkpoints after step 16 go aside, by step, not by name.
-    (branch / "model.safetensors").unlink()
-    _, result = train("cpu_gloo.py", tmp_path, "branch", *flags, "--resume_from_checkpoint", branch / "checkpoints" / "abandoned_step_00000016")
-    assert [line for line in result.stdout.splitlines() if line.startswith("Set aside")] == [
-        f"Set aside {branch / 'checkpoints' / 'step_00000024'}, saved after the checkpoint resumed, as "
-        f"{next((branch / 'checkpoints').glob('abandoned_step_00000024_*')).name}."]
-    assert_same_weights(weights(whole), weights(branch))
+    # Back to the abandoned branch's step 16: refused in this folder, whose branch has a step_16 and records of its own
+    # (before, those stayed live beside the old branch's resume, for `latest`, pruning and early stopping to take); in
+    # another --output_dir it starts a run of its own, and ends where the run that never stopped ends.
+    abandoned = branch / "checkpoints" / "abandoned_step_00000016"
+    refused = run(script_command("cpu_gloo.py", "--output_dir", branch, *flags, "--resume_from_checkpoint", abandoned), cwd=tmp_path, check=False)
+    assert refused.returncode == 1 and error_lines(refused.stderr) == [
+        f"error: Checkpoint {abandoned} was set aside when its run went on from an earlier one: resume it with another --output_dir, "
+        "where it starts a run of its own (or --eval_only it)."], refused.stderr[-2000:]
+    elsewhere, _ = train("cpu_gloo.py", tmp_path, "from_the_abandoned_branch", *flags, "--resume_from_checkpoint", abandoned)
+    assert_same_weights(weights(whole), weights(elsewhere))
 
 
 def test_a_resume_at_another_process_count_falls_on_a_whole_optimizer_step(small_data, tmp_path):

@@ -112,6 +112,11 @@ MISTAKES = {
                                 "argument --early_stopping_target: must be an accuracy above 0 and at most 1, got 1.5"),
     "negative lr": (lambda p: cpu_gloo(p, "--lr", "-0.1"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got -0.1"),
     "lr beyond float32": (lambda p: cpu_gloo(p, "--lr", "1e39"), "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e39"),
+    "toy_mlp's lr beyond float32, which SGD's step cannot take": (
+        lambda p: python_command("toy_mlp.py", "--lr", "1e300", "--output_dir", p / "fresh"),
+        "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e300"),
+    "a DDP bucket of infinite size": (lambda p: cpu_gloo(p, "--ddp_bucket_cap_mb", "inf"),
+                                      "argument --ddp_bucket_cap_mb: must be above 0 and at most a terabyte (1048576), got inf"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
     "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
@@ -130,6 +135,9 @@ MISTAKES = {
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp16", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
         "Mixed precision fp16 (--mixed_precision, or the launch profile's) runs only on a GPU; on the CPU accelerate would train in fp32"),
+    "fp16 on the CPU for toy_mlp, which accelerate would run in fp32": (
+        lambda p: python_command("toy_mlp.py", "--mixed_precision", "fp16", "--output_dir", p / "fresh"),
+        "Mixed precision fp16 runs only on a GPU: pass --mixed_precision bf16 (the CPU runs it) or no."),
     "batch that does not split across the processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "3", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
@@ -193,6 +201,8 @@ MISTAKES = {
     "accumulation longer than an epoch, overwriting a run": (
         lambda p: cpu_gloo(p, "--overwrite_output_dir", "--gradient_accumulation_steps", "100", output="earlier"),
         "--gradient_accumulation_steps 100 is more than the 4 batches"),
+    "a run's folder without checkpoints to resume": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "no_checkpoints"),
+                                                      "no_checkpoints is a run's folder, which saved no checkpoint: evaluate its model.safetensors"),
     # Set aside, the run is put back where a check after that refuses this one: a checkpoint to resume (a run's folder here).
     "another run's folder to resume, overwriting a run": (
         lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "preempted", "--overwrite_output_dir", output="earlier"),
@@ -230,7 +240,7 @@ MISTAKES = {
     "output_dir inside a file, toy_mlp": (lambda p: python_command("toy_mlp.py", "--output_dir", p / "a_file" / "run"),
                                           "a_file/run could not be made ([Errno 20] Not a directory"),
     "lr that is not a number, toy_mlp": (lambda p: python_command("toy_mlp.py", "--lr", "nan", "--output_dir", p / "fresh"),
-                                         "argument --lr: must be greater than 0 and finite, got nan"),
+                                         "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got nan"),
     "output_dir that is a file, toy_mlp": (lambda p: python_command("toy_mlp.py", "--output_dir", p / "a_file"),
                                            "a_file is a file, not a folder: choose another --output_dir"),
     "output_dir that is a file": (lambda p: cpu_gloo(p, output="a_file"), "a_file is a file, not a folder: choose another --output_dir"),
@@ -595,3 +605,18 @@ def test_a_checkpoint_through_a_linked_checkpoints_folder_continues_its_run(plac
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 2 and records[0] == first_epoch, "epoch 1's record kept, epoch 2 trained again"
     assert (run_dir / "model.safetensors").exists() and (tmp_path / "scratch" / "abandoned_step_00000008").is_dir()
+
+
+def test_a_rank_ending_in_its_error_that_the_launcher_stops_exits_1_not_as_stopped_to_save(tmp_path):
+    """A rank that waits to say its error (rank 0 may say it first) and gets the launcher's SIGTERM meanwhile, as when
+    SLURM's srun ends the other machine's launcher after this one failed: it exits 1. Before, SIGTERM's default ended
+    it, its launcher then exited 143, the code of a run stopped to save, and the batch script requeued a run that
+    fails every time."""
+    code = ("import os, sys\nos.environ['RANK'] = '1'\nfrom shared.errors import UserError, end_in_its_sentence\n"
+            "print('ready', flush=True)\nsys.exit(end_in_its_sentence(UserError('a mistake every start meets')))")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    time.sleep(1)  # inside its wait of LONE_ERROR_WAIT_S (3 s), handlers set
+    process.terminate()
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 1, (process.returncode, stderr)

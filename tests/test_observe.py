@@ -337,7 +337,7 @@ def test_early_stopping_patience_and_a_resumed_run_remember_the_epochs_without_i
     # The same command again, as a requeued or restarted job would run it: the run is finished.
     again = run(python_command("cpu_gloo.py", "--output_dir", whole, *flags, "--num_epochs", "10", "--resume_from_checkpoint", "latest"),
                 cwd=tmp_path, check=False)
-    assert again.returncode == 1 and f"error: The run in {whole} already stopped early after epoch {best + 2} (eval_loss has not " \
+    assert again.returncode == 1 and f"error: The run in {whole} has stopped early by these flags, after epoch {best + 2} (eval_loss has not " \
         "improved for 2 epochs" in again.stderr, again.stderr[-2000:]
     assert read_metrics(whole) == records
 
@@ -364,5 +364,5 @@ def test_a_run_stopped_early_is_finished_whatever_its_newest_checkpoint(data_dir
     newest = read_state(checkpoints_in(whole / "checkpoints")[-1])
     assert newest["epoch"] == records[-1]["epoch"] and 0 < newest["batches_done"] < newest["batches_per_epoch"]
     again = run(python_command("cpu_gloo.py", "--output_dir", whole, *flags, "--resume_from_checkpoint", "latest"), cwd=tmp_path, check=False)
-    assert again.returncode == 1 and f"error: The run in {whole} already stopped early after epoch {records[-1]['epoch']}" in again.stderr
+    assert again.returncode == 1 and f"error: The run in {whole} has stopped early by these flags, after epoch {records[-1]['epoch']}" in again.stderr
     assert read_metrics(whole) == records

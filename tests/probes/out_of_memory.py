@@ -12,6 +12,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from shared.devices import cpu_only
 from shared.errors import run_main
+from shared.flags import OUT_OF_MEMORY_ADVICE
 
 
 def inductor(graph, example_inputs):
@@ -34,4 +35,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, OUT_OF_MEMORY_ADVICE)
