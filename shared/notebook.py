@@ -10,17 +10,17 @@ import sys
 import threading
 
 from shared import preemption, run_folder
-from shared.flags import OUT_OF_MEMORY_ADVICE
 from shared.errors import (MADE_BY_THIS_RUN, OUT_OF_MEMORY_SIGNS, Stopped, UserError, end_in_its_sentence,
                            exit_now, first_line, leave_process_group_together)
 
 
-def in_notebook(main, out_of_memory_advice=OUT_OF_MEMORY_ADVICE):
+def in_notebook(main, out_of_memory_advice="lower --batch_size"):
     """main, for notebook_launcher, which every process it starts calls: a UserError, or running out of
-    memory, ends in its one sentence, and a signal to stop in its one line, as under errors.run_main, not
-    in a traceback of every process; the cell then ends. With one process, notebook_launcher runs main in
-    the kernel itself, which lives on: at the run's end its --output_dir is let go, preemption's watchdog
-    ends, what a failed run made is no longer this run's to remove, and a mistake ends the cell, never the kernel."""
+    memory (a complete template may pass flags.OUT_OF_MEMORY_ADVICE), ends in its one sentence, and a
+    signal to stop in its one line, as under errors.run_main, not in a traceback of every process; the
+    cell then ends. With one process, notebook_launcher runs main in the kernel itself, which lives on:
+    at the run's end its --output_dir is let go, preemption's watchdog ends, what a failed run made is no
+    longer this run's to remove, and a mistake ends the cell, never the kernel."""
     kernel = os.getpid()
 
     def run(*args):

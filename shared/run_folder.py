@@ -15,7 +15,7 @@ from pathlib import Path
 from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 
 from shared import stop_together
-from shared.errors import UserError, first_line, make_folders, remove_if_run_fails
+from shared.errors import MADE_BY_THIS_RUN, UserError, first_line, make_folders, remove_if_run_fails
 
 METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
@@ -71,8 +71,9 @@ def named_checkpoint(path):
         if path.name == CHECKPOINT_FOLDER or (path / CHECKPOINT_FOLDER).is_dir():
             raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
         if not (path / STATE_FILE).exists() and any((path / name).exists() for name in (METRICS_FILE, MODEL_FILE)):
-            raise UserError(f"{path} is a run's folder, which saved no checkpoint: evaluate its {MODEL_FILE} with --eval_only, or "
-                            "train it again with --overwrite_output_dir and --checkpointing_steps, to resume next time.")
+            raise UserError(f"{path} is a run's folder, which saved no checkpoint: "
+                            + (f"evaluate its {MODEL_FILE} with --eval_only, or " if (path / MODEL_FILE).exists() else "")
+                            + "train it again with --overwrite_output_dir and --checkpointing_steps, to resume next time.")
         json.loads((path / STATE_FILE).read_text())
     except PermissionError as error:  # another user's folder, which this one may see but not enter
         raise UserError(f"Checkpoint {path} could not be read ({first_line(error)}): give yourself read access to it, "
@@ -126,6 +127,8 @@ def _take(output_dir, replace, resuming):
         raise UserError(f"--output_dir {output_dir} could not be made or locked ({first_line(error)}): choose another "
                         "--output_dir, one you can write to.") from None
     _put_back(output_dir)  # a run that a run killed before replaced_run_goes() had set aside
+    for leftover in output_dir.glob(f"{REPLACED_FOLDER}_deleted_*"):  # a replaced run whose delete was cut short
+        shutil.rmtree(leftover, ignore_errors=True)
     earlier = [name for name in (METRICS_FILE, MODEL_FILE) if (output_dir / name).exists()]
     if any((output_dir / CHECKPOINT_FOLDER).glob("*")):  # a run stopped before its first epoch's record holds only these
         earlier.append(CHECKPOINT_FOLDER)
@@ -142,16 +145,21 @@ def _take(output_dir, replace, resuming):
 def _set_aside(output_dir):
     """Move the earlier run's files into output_dir/.replaced, each by one rename, until replaced_run_goes() deletes
     them: a check that refuses this run after prepare() (a checkpoint to resume, a tracker) finds them put back."""
+    earlier = [output_dir / name for name in RUN_FILES if os.path.lexists(output_dir / name)]
+    if not earlier:  # nothing to replace: the folder stays one that a failed run removes, if it made it
+        return
     aside = moving = output_dir / REPLACED_FOLDER
     try:
         aside.mkdir(exist_ok=True)
-        for moving in (output_dir / name for name in RUN_FILES if os.path.lexists(output_dir / name)):
+        for moving in earlier:
             os.rename(moving, aside / moving.name)
     except OSError as error:  # a folder this user may not move (its `..` cannot change): old checkpoints must not mix with new
         _put_back(output_dir)
         raise UserError(f"--overwrite_output_dir could not set {moving} aside, of the run there before ({error.strerror}): "
                         "delete it yourself, or choose another --output_dir.") from None
     _REPLACING.append(output_dir)
+    # Held until let_go() has put the run back, not removed first with what a failed run made: another run could take it.
+    MADE_BY_THIS_RUN.remove(output_dir / LOCK_FILE)
 
 
 def _put_back(output_dir):
@@ -213,14 +221,15 @@ def let_go():
     """Let go of every --output_dir this process holds: at its exit, or at the end of a run in a process that
     outlives it (a notebook's kernel). Each lock file is removed while still held, unless another run's file
     has taken its place. A run that ends before replaced_run_goes() first puts back the run it had set aside."""
-    while _REPLACING:
-        _put_back(_REPLACING.pop())
     while _HELD:
         path, lock = _HELD.pop()
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                if path.parent in _REPLACING:
+                    _put_back(path.parent)
                 path.unlink()
         lock.close()
+    _REPLACING.clear()
 
 
 def _holder(output_dir):

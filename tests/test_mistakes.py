@@ -207,6 +207,9 @@ MISTAKES = {
     "another run's folder to resume, overwriting a run": (
         lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "preempted", "--overwrite_output_dir", output="earlier"),
         "preempted holds checkpoints but is not one"),
+    "another run's folder to resume, overwriting into a new folder": (
+        lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "preempted", "--overwrite_output_dir"),
+        "preempted holds checkpoints but is not one"),
     "data folder without the files, offline, overwriting a run": (
         lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "earlier", "--overwrite_output_dir"),
         "empty/MNIST/raw and could not be downloaded"),

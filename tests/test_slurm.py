@@ -246,25 +246,23 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
 
 
 @pytest.mark.parametrize("model", ["the run's own end", "an earlier run's end"])
-def test_the_batch_script_requeues_a_stopped_run_unless_its_model_is_newer_than_its_checkpoints(tmp_path, model):
+def test_the_batch_script_requeues_a_stopped_run_unless_it_saved_its_model(tmp_path, model):
     """The batch script's decision after srun, with a stand-in srun that returns 143 (what srun returns when the
     launchers stopped to save: the highest of their codes, per Slurm's documentation) and a stand-in scontrol that
     records the requeue; the real Slurm test above cannot make a job stop after its model is saved. A model file
-    saved after the newest checkpoint is this run's end: no requeue. One older than it is the end of an earlier run
-    that this job continues (OUTPUT_DIR of a finished job, a larger --num_epochs): the job requeues. Before, any
-    model file ended such a job as finished, its epochs untrained."""
+    saved during the job is its run's end: no requeue. One from before the job is the end of an earlier run that
+    this job continues (OUTPUT_DIR of a finished job, a larger --num_epochs): the job requeues. Before, any model
+    file ended such a job as finished, its epochs untrained."""
     bin_dir, output_dir = tmp_path / "bin", tmp_path / "runs" / "slurm-7"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/sh\nexit 143\n")
+    saves = 'sleep 0.1; touch "$OUTPUT_DIR/model.safetensors"\n' if model == "the run's own end" else ""
+    (bin_dir / "srun").write_text(f"#!/bin/sh\n{saves}exit 143\n")
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\n[ \"$1\" = show ] && echo node0 && exit 0\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    state = output_dir / "checkpoints" / "step_00000160" / "trainer_state.json"
-    state.parent.mkdir(parents=True)
-    state.write_text("{}")
-    (output_dir / "model.safetensors").write_bytes(b"weights")
-    older, newer = (state, output_dir / "model.safetensors") if model == "the run's own end" else (output_dir / "model.safetensors", state)
-    os.utime(older, (time.time() - 60, time.time() - 60))
+    (output_dir / "checkpoints" / "step_00000160").mkdir(parents=True)
+    (output_dir / "model.safetensors").write_bytes(b"weights")  # the earlier run's end, older than the job
+    os.utime(output_dir / "model.safetensors", (time.time() - 60, time.time() - 60))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]",
            "SLURM_NNODES": "2", "OUTPUT_DIR": str(output_dir)}
     result = subprocess.run(["bash", REPO / "slurm" / "train_2node.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)

@@ -17,8 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-from accelerate import Accelerator
-
 from shared.preemption import Preemption
 
 SCRIPT = os.environ["PAUSE_SCRIPT"]
@@ -27,12 +25,12 @@ FOLDER = Path(os.environ["PAUSE_DIR"])
 RANKS = os.environ.get("PAUSE_RANKS")
 assert all(step % Preemption.CHECK_EVERY == 0 for step in AT_STEPS), "pause where the processes check for a signal"
 signalled = threading.Event()
-original_set_trigger, original_stop_agreed = Accelerator.set_trigger, Preemption.stop_agreed
+original_mark, original_stop_agreed = Preemption._mark, Preemption.stop_agreed
 
 
-def set_trigger(self):  # what preemption's handler of SIGTERM and SIGUSR1 calls
+def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
     signalled.set()
-    original_set_trigger(self)
+    original_mark(self, signum, frame)
 
 
 def stop_agreed(self, step):
@@ -48,7 +46,7 @@ def stop_agreed(self, step):
     return original_stop_agreed(self, step)
 
 
-Accelerator.set_trigger, Preemption.stop_agreed = set_trigger, stop_agreed
+Preemption._mark, Preemption.stop_agreed = mark, stop_agreed
 sys.argv = [SCRIPT, *sys.argv[1:]]
 sys.path[0] = str(Path(SCRIPT).resolve().parent)  # the script's own folder, as `python script.py` has it
 runpy.run_path(SCRIPT, run_name="__main__")
