@@ -555,7 +555,8 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     would (a resume on that machine alone): resumed together, or evaluated, both stop in one sentence;
     before, each trained, or scored its share of the test set, from its own weights. Then every copy is cut
     short, its digest recorded again: the load fails on every process, and each machine says so once, at
-    once; before, a process not on machine 0 said it as a rank that failed alone ([rank 1] error), late."""
+    once; before, a process not on machine 0 said it as a rank that failed alone ([rank 1] error), late. Last,
+    --overwrite_output_dir sets each machine's run aside on its own disk, and puts it back where a check refuses."""
     from safetensors.torch import save_file
 
     flags = [SCRIPTS / "cpu_gloo.py", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
@@ -587,6 +588,20 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
         assert line.startswith(f"error: Checkpoint {latest_checkpoint(folders[0] / 'checkpoints')} could not be loaded ("), line
+
+    # --overwrite_output_dir, each machine setting aside the run on its own disk: a resume refused after that (another run's
+    # folder, named in place of a checkpoint) puts each back as it was; without it, each machine's holds the new run alone.
+    (tmp_path / "other" / "checkpoints").mkdir(parents=True)
+    before = [folder_snapshot(folder) for folder in folders]
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--overwrite_output_dir", "--resume_from_checkpoint", tmp_path / "other"]
+                                      for folder in folders])
+    assert [result.returncode for result in results] == [1, 1] and [folder_snapshot(folder) for folder in folders] == before, (
+        results[0].stderr[-3000:] + results[1].stderr[-3000:])
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--overwrite_output_dir"] for folder in folders])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    for folder in folders:
+        assert [path.name for path in checkpoints_in(folder / "checkpoints")] == ["step_00000008"] and not list(folder.glob(".replaced*"))
+    assert [record["epoch"] for record in read_metrics(folders[0])] == [1]
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
