@@ -33,6 +33,9 @@ import threading
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C in the 2 s of imports and checks below: 130, without a traceback (main() gives it back)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 # torch's C++ log, whose level is read as torch loads: the launcher's says nothing its one sentence does not
 # (a rendezvous that cannot connect logs a C++ stack for each try). A level you set wins; main() sets the
 # training processes'.
@@ -376,6 +379,7 @@ def main():
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
     no_restart_after_a_mistake()
     remember_how_the_processes_ended()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if under_torchrun:  # whose rendezvous may wait long for the other machines
         torchrun_log.waiting = True
         stop_at_once_while_waiting(torchrun_log)

@@ -351,6 +351,18 @@ def test_ctrl_c_stops_every_process_with_one_line(num_processes, data_dir, tmp_p
     assert not processes_naming(tmp_path), "every process of the launch ended"
 
 
+def test_ctrl_c_while_the_launcher_starts_ends_it_in_130_without_a_traceback(tmp_path):
+    """Ctrl-C a second into scripts/launch.py, while it imports torch and accelerate (about 2 s) or checks the
+    profile and the flags: before, a KeyboardInterrupt's traceback of 60 lines."""
+    job = subprocess.Popen([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                            SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run"], cwd=tmp_path, env=script_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)
+    job.send_signal(signal.SIGINT)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130 and "Traceback" not in stderr, (job.returncode, stderr[-3000:])
+
+
 def test_ctrl_c_that_reaches_a_process_after_it_lost_a_peer_ends_in_the_same_line(tmp_path):
     """The launcher passes Ctrl-C to the processes one after another: the first stops at once, and the
     next may already be leaving because its all-reduce lost that peer when the signal reaches it."""
