@@ -152,7 +152,10 @@ def _set_aside(output_dir):
     try:
         aside.mkdir(exist_ok=True)
         for moving in earlier:
-            os.rename(moving, aside / moving.name)
+            stale = aside / moving.name  # what _put_back could not put back: a run killed as its tracker started took its name
+            if os.path.lexists(stale):
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+            os.rename(moving, stale)
     except OSError as error:  # a folder this user may not move (its `..` cannot change): old checkpoints must not mix with new
         _put_back(output_dir)
         raise UserError(f"--overwrite_output_dir could not set {moving} aside, of the run there before ({error.strerror}): "

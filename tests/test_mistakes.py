@@ -514,6 +514,20 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_put_back(place, tmp_path):
     assert folder_snapshot(earlier) == before
 
 
+def test_an_overwrite_replaces_what_a_run_killed_as_its_tracker_started_left_aside(place, tmp_path):
+    """A run killed between its tracker's start and the delete of the run it replaced leaves its new tracker store
+    beside the earlier run's, set aside: the next launch puts back all but that store. An overwrite then replaces
+    both (before, its rename onto the store left aside failed: "Directory not empty")."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(place / "earlier", earlier)
+    (earlier / ".replaced" / "tensorboard").mkdir(parents=True)
+    (earlier / ".replaced" / "tensorboard" / "events.earlier").write_text("the earlier run's")
+    (earlier / "tensorboard").mkdir()
+    (earlier / "tensorboard" / "events.killed").write_text("the killed run's")
+    run(cpu_gloo(place, "--overwrite_output_dir", "--num_epochs", "1", output=earlier), cwd=tmp_path)
+    assert len(read_metrics(earlier)) == 1 and not (earlier / "tensorboard").exists() and not list(earlier.glob(".replaced*"))
+
+
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
 @pytest.mark.parametrize("left", ["read-only checkpoints folder", "read-only checkpoint", "folder named model.safetensors"])
 def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_path, left):
