@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from shared.errors import OUT_OF_MEMORY_SIGNS, UserError, first_line
 from shared.flags import OUT_OF_MEMORY_ADVICE
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
-                               model_saved_after, named_checkpoint, writes_here)
+                               delete_renamed_first, model_saved_after, named_checkpoint, writes_here)
 
 
 @dataclasses.dataclass
@@ -112,14 +111,7 @@ class Checkpoints:
         checkpoint. One that cannot be deleted (another user's files, NFS's open .nfs files) stays with a
         warning: the checkpoint just saved is complete whatever happens here, and the run goes on."""
         for old in checkpoints_in(self.folder)[:-self.keep]:
-            pruned = old.with_name(f".pruned_{old.name}")
-            try:
-                old.rename(pruned)
-                shutil.rmtree(pruned)
-            except OSError as error:
-                left = pruned if pruned.exists() else old
-                print(f"warning: could not delete the old checkpoint {left} ({first_line(error)}): delete it yourself.",
-                      file=sys.stderr, flush=True)
+            delete_renamed_first(old, old.with_name(f".pruned_{old.name}"), "the old checkpoint")
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a

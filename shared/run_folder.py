@@ -178,16 +178,22 @@ def _put_back(output_dir):
 
 def replaced_run_goes():
     """The run that --overwrite_output_dir replaces, set aside by prepare(), is deleted: call it once nothing can refuse
-    this run. Renamed first, so that a delete cut short is never put back; one that cannot go stays, with a warning."""
+    this run. Renamed first, so that a delete cut short is never put back."""
     while _REPLACING:
         aside = _REPLACING.pop() / REPLACED_FOLDER
-        going = aside.with_name(f"{REPLACED_FOLDER}_deleted_{time.time_ns()}")
-        try:
-            aside.rename(going)
-            shutil.rmtree(going)
-        except OSError as error:
-            print(f"warning: could not delete the run that --overwrite_output_dir replaced ({first_line(error)}): delete "
-                  f"{going if going.exists() else aside} yourself.", file=sys.stderr, flush=True)
+        delete_renamed_first(aside, aside.with_name(f"{REPLACED_FOLDER}_deleted_{time.time_ns()}"),
+                             "the run that --overwrite_output_dir replaced, in")
+
+
+def delete_renamed_first(path, renamed, what):
+    """Delete the folder `path`, renamed to `renamed` first so that one half-deleted keeps no name a run reads. One that
+    cannot go (another user's files, NFS's open .nfs files) stays with a warning naming `what`, and the run goes on."""
+    try:
+        path.rename(renamed)
+        shutil.rmtree(renamed)
+    except OSError as error:
+        print(f"warning: could not delete {what} {renamed if renamed.exists() else path} ({first_line(error)}): delete it yourself.",
+              file=sys.stderr, flush=True)
 
 
 _REPLACING = []  # each --output_dir whose earlier run this process set aside, until replaced_run_goes()

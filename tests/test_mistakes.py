@@ -565,8 +565,8 @@ def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_
         (going,) = left_over
         assert going.startswith(".replaced_deleted_") and (earlier / going / "checkpoints" / "step_00000004").is_dir()
         assert [line for line in result.stderr.splitlines() if "warning" in line] == [
-            f"warning: could not delete the run that --overwrite_output_dir replaced ([Errno 13] Permission denied: 'model.safetensors'): "
-            f"delete {earlier / going} yourself."], result.stderr[-3000:]
+            f"warning: could not delete the run that --overwrite_output_dir replaced, in {earlier / going} ([Errno 13] Permission denied: "
+            "'model.safetensors'): delete it yourself."], result.stderr[-3000:]
     else:
         assert left_over == [], left_over
 
