@@ -601,7 +601,7 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
     for folder in folders:
         assert [path.name for path in checkpoints_in(folder / "checkpoints")] == ["step_00000008"] and not list(folder.glob(".replaced*"))
-    assert [record["epoch"] for record in read_metrics(folders[0])] == [1]
+    assert [(record["epoch"], record["world_size"]) for record in read_metrics(folders[0])] == [(1, 2)]
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
