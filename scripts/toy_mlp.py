@@ -135,8 +135,7 @@ def main(argv=None):
 
     model = NeuralNetwork(num_inputs=2, num_outputs=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    # prepare() wraps the model in DDP and puts it on the device, and shards each loader so that every
-    # process sees its own rows, on the same device as the model.
+    # prepare() puts the model on the device, wrapped in DDP, and shards each loader: every process gets its own rows, on that device.
     model, optimizer, train_loader, train_eval_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, train_eval_loader, test_loader)
 
     for epoch in range(1, args.num_epochs + 1):

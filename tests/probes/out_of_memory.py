@@ -23,8 +23,12 @@ def main():
     accelerator = Accelerator(cpu=cpu_only())
     if sys.argv[1:] in (["cuda"], ["compiled"]):
         if accelerator.process_index == accelerator.num_processes - 1:
-            error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 1 has a total capacity of 79.19 GiB "
-                                           "of which 3.06 GiB is free.")
+            error = torch.OutOfMemoryError(  # CUDA's message in full, as torch 2.11 said it on an H100
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 1 has a total capacity of 79.18 GiB of which 3.06 GiB is free. "
+                "Including non-PyTorch memory, this process has 76.12 GiB memory in use. Of the allocated memory 75.50 GiB is allocated "
+                "by PyTorch, and 120.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+                "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+                "Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
             if sys.argv[1:] == ["compiled"]:  # as torch._dynamo's OutputGraph.call_user_compiler raises it: the error in its message alone
                 raise BackendCompilerFailed(inductor, error, None) from None
             raise error
