@@ -245,29 +245,63 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     assert_same_records(read_metrics(reference), read_metrics(output_dir), rel=1e-6)
 
 
-@pytest.mark.parametrize("model", ["the run's own end", "an earlier run's end"])
-def test_the_batch_script_requeues_a_stopped_run_unless_it_saved_its_model(tmp_path, model):
-    """The batch script's decision after srun, with a stand-in srun that returns 143 (what srun returns when the
-    launchers stopped to save: the highest of their codes, per Slurm's documentation) and a stand-in scontrol that
-    records the requeue; the real Slurm test above cannot make a job stop after its model is saved. A model file
-    saved during the job is its run's end: no requeue. One from before the job is the end of an earlier run that
-    this job continues (OUTPUT_DIR of a finished job, a larger --num_epochs): the job requeues. Before, any model
-    file ended such a job as finished, its epochs untrained."""
+def run_the_batch_script(tmp_path, srun):
+    """slurm/train_2node.sbatch as job 7 with a stand-in srun (a shell script's body, ending in its exit code) and a
+    stand-in scontrol that records a requeue; returns the result, the requeue recorded, if any, and the job's run."""
     bin_dir, output_dir = tmp_path / "bin", tmp_path / "runs" / "slurm-7"
     bin_dir.mkdir()
-    saves = 'sleep 0.1; touch "$OUTPUT_DIR/model.safetensors"\n' if model == "the run's own end" else ""
-    (bin_dir / "srun").write_text(f"#!/bin/sh\n{saves}exit 143\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\n{srun}\n")
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\n[ \"$1\" = show ] && echo node0 && exit 0\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    (output_dir / "checkpoints" / "step_00000160").mkdir(parents=True)
-    (output_dir / "model.safetensors").write_bytes(b"weights")  # the earlier run's end, older than the job
-    os.utime(output_dir / "model.safetensors", (time.time() - 60, time.time() - 60))
+    (output_dir / "checkpoints" / "step_00000160").mkdir(parents=True, exist_ok=True)  # from before the job
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]",
            "SLURM_NNODES": "2", "OUTPUT_DIR": str(output_dir)}
     result = subprocess.run(["bash", REPO / "slurm" / "train_2node.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else ""
+    return result, requeued, output_dir
+
+
+@pytest.mark.parametrize("model", ["the run's own end", "an earlier run's end"])
+def test_the_batch_script_requeues_a_stopped_run_unless_it_saved_its_model(tmp_path, model):
+    """The batch script's decision after srun, with a stand-in srun that returns 143 (what srun returns when the
+    launchers stopped to save: the highest of their codes, per Slurm's documentation); the real Slurm test above
+    cannot make a job stop after its model is saved. A model file saved during the job is its run's end: no
+    requeue. One from before the job is the end of an earlier run that this job continues (OUTPUT_DIR of a
+    finished job, a larger --num_epochs): the job requeues. Before, any model file ended such a job as finished,
+    its epochs untrained."""
+    output_dir = tmp_path / "runs" / "slurm-7"
+    output_dir.mkdir(parents=True)
+    (output_dir / "model.safetensors").write_bytes(b"weights")  # the earlier run's end, older than the job
+    os.utime(output_dir / "model.safetensors", (time.time() - 60, time.time() - 60))
+    saves = 'sleep 0.1; touch "$OUTPUT_DIR/model.safetensors"; ' if model == "the run's own end" else ""
+    result, requeued, _ = run_the_batch_script(tmp_path, f"{saves}exit 143")
     if model == "the run's own end":
         assert result.returncode == 0 and requeued == "", (result.stdout, result.stderr)
     else:
         assert result.returncode == 143 and requeued == "requeue 7\n", (result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("case", ["a checkpoint saved", "none saved", "none saved again", "none saved in another job"])
+def test_the_batch_script_requeues_a_run_stopped_twice_without_a_checkpoint_only_once(tmp_path, case):
+    """srun returns 143 both when the launchers stopped to save and when one machine's processes crashed past
+    --max_restarts and srun's --kill-on-bad-exit stopped the other's launcher with SIGTERM (seen once under the real
+    Slurm above, 2026-11-27, with a probe whose rank 1 raised at every start and MAX_RESTARTS=1: "task 1: Exited with
+    exit code 1", "task 0: Exited with exit code 143"; the job was requeued once, then ended in this sentence, failed).
+    A job whose start saved a checkpoint is requeued; one that saved none is requeued once, and ends in a sentence
+    the second time in a row: before, a run that crashes at every start was requeued forever."""
+    output_dir = tmp_path / "runs" / "slurm-7"
+    output_dir.mkdir(parents=True)
+    if case != "none saved":  # the job's start before saved none and was requeued (by another job: one whose id it holds)
+        (output_dir / ".requeued_without_a_checkpoint").write_text("6\n" if case == "none saved in another job" else "7\n")
+    saves = 'sleep 0.1; mkdir "$OUTPUT_DIR/checkpoints/step_00000240"; ' if case == "a checkpoint saved" else ""
+    result, requeued, _ = run_the_batch_script(tmp_path, f"{saves}exit 143")
+    if case == "none saved again":
+        assert result.returncode == 1 and requeued == "" and result.stderr.splitlines() == [
+            "error: the training processes stopped without saving a checkpoint twice in a row: the job is not requeued again (a run "
+            "that fails at every start would requeue forever; the lines above say why it stopped); once that is fixed, go on with "
+            f"OUTPUT_DIR={output_dir} sbatch slurm/train_2node.sbatch (and the same arguments)."], (result.stdout, result.stderr)
+    else:
+        assert result.returncode == 143 and requeued == "requeue 7\n", (result.stdout, result.stderr)
+        marker = output_dir / ".requeued_without_a_checkpoint"
+        assert (not marker.exists()) if case == "a checkpoint saved" else marker.read_text() == "7\n"
