@@ -42,7 +42,7 @@ def first_line(error):
     """The first line of an exception's message, for a one-sentence error (two where the first ends in a colon, a heading)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     line = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
-    return line if len(line) <= 200 else line[:line.rfind(". ", 0, 200) + 1 or 200]  # cut where a sentence ends, if one does
+    return line if len(line) <= 200 else line[:line.rfind(". ", 100, 200) + 1 or 200]  # where a sentence past 100 ends, if one does
 
 
 def run_main(main, out_of_memory_advice="lower --batch_size"):

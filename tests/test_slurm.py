@@ -254,7 +254,6 @@ def run_the_batch_script(tmp_path, srun):
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\n[ \"$1\" = show ] && echo node0 && exit 0\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    (output_dir / "checkpoints" / "step_00000160").mkdir(parents=True, exist_ok=True)  # from before the job
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]",
            "SLURM_NNODES": "2", "OUTPUT_DIR": str(output_dir)}
     result = subprocess.run(["bash", REPO / "slurm" / "train_2node.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
@@ -282,20 +281,30 @@ def test_the_batch_script_requeues_a_stopped_run_unless_it_saved_its_model(tmp_p
         assert result.returncode == 143 and requeued == "requeue 7\n", (result.stdout, result.stderr)
 
 
-@pytest.mark.parametrize("case", ["a checkpoint saved", "none saved", "none saved again", "none saved in another job"])
+@pytest.mark.parametrize("case", ["a checkpoint saved", "none saved", "none saved again", "none saved in another job",
+                                  "none saved again, but some in a start between"])
 def test_the_batch_script_requeues_a_run_stopped_twice_without_a_checkpoint_only_once(tmp_path, case):
     """srun returns 143 both when the launchers stopped to save and when one machine's processes crashed past
     --max_restarts and srun's --kill-on-bad-exit stopped the other's launcher with SIGTERM (seen once under the real
     Slurm above, 2026-11-27, with a probe whose rank 1 raised at every start and MAX_RESTARTS=1: "task 1: Exited with
     exit code 1", "task 0: Exited with exit code 143"; the job was requeued once, then ended in this sentence, failed).
     A job whose start saved a checkpoint is requeued; one that saved none is requeued once, and ends in a sentence
-    the second time in a row: before, a run that crashes at every start was requeued forever."""
-    output_dir = tmp_path / "runs" / "slurm-7"
-    output_dir.mkdir(parents=True)
-    if case != "none saved":  # the job's start before saved none and was requeued (by another job: one whose id it holds)
-        (output_dir / ".requeued_without_a_checkpoint").write_text("6\n" if case == "none saved in another job" else "7\n")
+    the second time in a row: before, a run that crashes at every start was requeued forever. A start in between
+    that saved checkpoints and ended otherwise (a node's failure, which Slurm requeues itself) makes it a first time."""
+    checkpoints = tmp_path / "runs" / "slurm-7" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    def made(path, seconds_ago):
+        os.utime(path, (time.time() - seconds_ago, time.time() - seconds_ago))
+    (checkpoints / "step_00000160").mkdir()
+    made(checkpoints / "step_00000160", 120)
+    if case != "none saved":  # the job's start before saved none and was requeued (by the job whose id it holds)
+        (checkpoints.parent / ".requeued_without_a_checkpoint").write_text("6\n" if case == "none saved in another job" else "7\n")
+        made(checkpoints.parent / ".requeued_without_a_checkpoint", 60)
+    if case == "none saved again, but some in a start between":
+        (checkpoints / "step_00000200").mkdir()
+        made(checkpoints / "step_00000200", 30)
     saves = 'sleep 0.1; mkdir "$OUTPUT_DIR/checkpoints/step_00000240"; ' if case == "a checkpoint saved" else ""
-    result, requeued, _ = run_the_batch_script(tmp_path, f"{saves}exit 143")
+    result, requeued, output_dir = run_the_batch_script(tmp_path, f"{saves}exit 143")
     if case == "none saved again":
         assert result.returncode == 1 and requeued == "" and result.stderr.splitlines() == [
             "error: the training processes stopped without saving a checkpoint twice in a row: the job is not requeued again (a run "
@@ -303,5 +312,7 @@ def test_the_batch_script_requeues_a_run_stopped_twice_without_a_checkpoint_only
             f"OUTPUT_DIR={output_dir} sbatch slurm/train_2node.sbatch (and the same arguments)."], (result.stdout, result.stderr)
     else:
         assert result.returncode == 143 and requeued == "requeue 7\n", (result.stdout, result.stderr)
+        assert result.stdout.splitlines()[-1] == ("The training processes stopped on a signal (the lines above say whether they saved a "
+                                                  "checkpoint); requeueing the job, which resumes from its newest checkpoint.")
         marker = output_dir / ".requeued_without_a_checkpoint"
         assert (not marker.exists()) if case == "a checkpoint saved" else marker.read_text() == "7\n"
