@@ -17,6 +17,15 @@ from test_scripts import SCRIPTS, load_script_module
 pytestmark = pytest.mark.xdist_group("metrics")
 
 
+def test_the_module_runs_on_one_test_process(request):
+    """pytest.ini's --dist loadgroup sends a group's tests to one test process, which builds its module fixture once (and
+    runs the GPU tier one launch at a time). pytest 9.2 with pytest-xdist 3.8 silently stopped it (pytest-xdist#1386): the
+    tests were spread over every test process, each building the fixture again; requirements.txt keeps pytest below 9.2."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("runs under pytest.ini's --dist loadgroup with several test processes (-n 2 or more)")
+    assert request.node.nodeid.endswith("@metrics"), f"{request.node.nodeid}: pytest-xdist did not group it"
+
+
 def single_process_evaluation(weights, data_dir, per_class=False):
     """Plain PyTorch, no Accelerate: the reference numbers for these weights (and each class's accuracy)."""
     model = load_script_module(SCRIPTS / "cpu_gloo.py").SimpleNet()
