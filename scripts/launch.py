@@ -15,7 +15,8 @@ are left out; a process killed from outside gets one line saying which rank stop
 training processes, which save and stop, also where accelerate runs one process without torchrun; one
 that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
-with checkpointing, once every process saved, or after a line saying that torchrun killed them first),
+with checkpointing, once every process saved, or after a line saying that torchrun killed them first, or
+that they ended at once, saving nothing),
 130 after Ctrl-C. Under --max_restarts, a process that a mistake stopped ends the run: every start would
 meet it again.
 """
@@ -203,6 +204,7 @@ def one_process_launcher(args):
     process.wait()
     # Stopped by the signal, or after the save it asked for: the launcher exits as under torchrun.
     if passed_on and process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE):
+        EXIT_CODES_AT_SHUTDOWN[:] = [process.returncode]
         raise SignalException(f"the process stopped on signal {passed_on[-1]}", signal.Signals(passed_on[-1]))
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command)
@@ -411,6 +413,10 @@ def main():
             end_while_waiting(error.sigval)
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)
+        if EXIT_CODES_AT_SHUTDOWN and all(code == -error.sigval for code in EXIT_CODES_AT_SHUTDOWN):  # each died of it: none saved
+            # On a line of its own: a process that died of the signal may have left its progress bar's line open.
+            print(f"\nStopped by {error.sigval.name}: the training processes ended at once, without saving a checkpoint (they save on a "
+                  f"signal to stop with --checkpointing_steps, once training has started). {RESUME_IF_SAVED}", file=sys.stderr, flush=True)
         # torchrun's wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
         if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
             print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before every "

@@ -207,7 +207,7 @@ def assert_no_process_left(tmp_path):
                          ids=["1-SIGTERM", "2-SIGTERM", "1-SIGHUP"])
 def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, stop_signal, small_data, tmp_path):
     """SIGTERM to the launcher, torchrun's (2 processes) or the one-process one: every process stops,
-    nothing is saved, and the launcher exits 143. SIGHUP, as a lost SSH session sends it: the one-process
+    nothing is saved, and the launcher exits 143 with a line that says so. SIGHUP, as a lost SSH session sends it: the one-process
     launcher passes it on too (before, it died alone and its process trained on, orphaned) and exits 129."""
     args = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--batch_size", "8", "--num_epochs", "200"]
     job = start(launch_one_process(*args) if num_processes == 1 else launch(*args), tmp_path)
@@ -219,6 +219,11 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     assert time.monotonic() - signalled_at < 10, stderr[-2000:]
     expected = 143 if stop_signal == signal.SIGTERM else 128 + stop_signal
     assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
+    # Said, where before the launcher exited in silence (its 143 says, elsewhere, that the processes saved).
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == (
+        f"Stopped by {stop_signal.name}: the training processes ended at once, without saving a checkpoint (they save on a signal to "
+        "stop with --checkpointing_steps, once training has started). Resume with --resume_from_checkpoint latest if the run saved "
+        "checkpoints."), stderr[-2000:]
     assert_world_size(tmp_path / "run", num_processes)
     assert_no_process_left(tmp_path)
 
