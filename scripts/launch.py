@@ -413,10 +413,11 @@ def main():
             end_while_waiting(error.sigval)
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)
-        if EXIT_CODES_AT_SHUTDOWN and all(code == -error.sigval for code in EXIT_CODES_AT_SHUTDOWN):  # each died of it: none saved
+        died_of_it = EXIT_CODES_AT_SHUTDOWN and all(code == -error.sigval for code in EXIT_CODES_AT_SHUTDOWN)  # none saved
+        if died_of_it and error.sigval != signal.SIGINT:  # Ctrl-C saves nothing by design, and says so where the processes get it
             # On a line of its own: a process that died of the signal may have left its progress bar's line open.
-            print(f"\nStopped by {error.sigval.name}: the training processes ended at once, without saving a checkpoint (they save on a "
-                  f"signal to stop with --checkpointing_steps, once training has started). {RESUME_IF_SAVED}", file=sys.stderr, flush=True)
+            print(f"\nStopped by {error.sigval.name}: the training processes ended at once, without saving a checkpoint (they save one only "
+                  f"on SIGTERM or SIGUSR1, with --checkpointing_steps, once training has started). {RESUME_IF_SAVED}", file=sys.stderr, flush=True)
         # torchrun's wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
         if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
             print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before every "

@@ -221,9 +221,9 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
     # Said, where before the launcher exited in silence (its 143 says, elsewhere, that the processes saved).
     assert "Traceback" not in stderr and stderr.splitlines()[-1] == (
-        f"Stopped by {stop_signal.name}: the training processes ended at once, without saving a checkpoint (they save on a signal to "
-        "stop with --checkpointing_steps, once training has started). Resume with --resume_from_checkpoint latest if the run saved "
-        "checkpoints."), stderr[-2000:]
+        f"Stopped by {stop_signal.name}: the training processes ended at once, without saving a checkpoint (they save one only on "
+        "SIGTERM or SIGUSR1, with --checkpointing_steps, once training has started). Resume with --resume_from_checkpoint latest if "
+        "the run saved checkpoints."), stderr[-2000:]
     assert_world_size(tmp_path / "run", num_processes)
     assert_no_process_left(tmp_path)
 
