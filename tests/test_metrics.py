@@ -23,7 +23,9 @@ def test_the_module_runs_on_one_test_process(request):
     tests were spread over every test process, each building the fixture again; requirements.txt keeps pytest below 9.2."""
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("runs under pytest.ini's --dist loadgroup with several test processes (-n 2 or more)")
-    assert request.node.nodeid.endswith("@metrics"), f"{request.node.nodeid}: pytest-xdist did not group it"
+    assert request.node.nodeid.endswith("@metrics"), (
+        f"pytest {pytest.__version__} with this pytest-xdist does not group tests (pytest-xdist#1386): install the tested set, "
+        "pip install -r requirements.txt -c constraints.txt")
 
 
 def single_process_evaluation(weights, data_dir, per_class=False):
