@@ -245,6 +245,11 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     assert_same_records(read_metrics(reference), read_metrics(output_dir), rel=1e-6)
 
 
+def made_ago(path, seconds):
+    """Dates `path` `seconds` back, as the batch script reads what a job made before it, or an earlier start of it."""
+    os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
 def run_the_batch_script(tmp_path, srun):
     """slurm/train_2node.sbatch as job 7 with a stand-in srun (a shell script's body, ending in its exit code) and a
     stand-in scontrol that records a requeue; returns the result, the requeue recorded, if any, and the job's run."""
@@ -272,7 +277,7 @@ def test_the_batch_script_requeues_a_stopped_run_unless_it_saved_its_model(tmp_p
     output_dir = tmp_path / "runs" / "slurm-7"
     output_dir.mkdir(parents=True)
     (output_dir / "model.safetensors").write_bytes(b"weights")  # the earlier run's end, older than the job
-    os.utime(output_dir / "model.safetensors", (time.time() - 60, time.time() - 60))
+    made_ago(output_dir / "model.safetensors", 60)
     saves = 'sleep 0.1; touch "$OUTPUT_DIR/model.safetensors"; ' if model == "the run's own end" else ""
     result, requeued, _ = run_the_batch_script(tmp_path, f"{saves}exit 143")
     if model == "the run's own end":
@@ -293,16 +298,14 @@ def test_the_batch_script_requeues_a_run_stopped_twice_without_a_checkpoint_only
     that saved checkpoints and ended otherwise (a node's failure, which Slurm requeues itself) makes it a first time."""
     checkpoints = tmp_path / "runs" / "slurm-7" / "checkpoints"
     checkpoints.mkdir(parents=True)
-    def made(path, seconds_ago):
-        os.utime(path, (time.time() - seconds_ago, time.time() - seconds_ago))
     (checkpoints / "step_00000160").mkdir()
-    made(checkpoints / "step_00000160", 120)
+    made_ago(checkpoints / "step_00000160", 120)
     if case != "none saved":  # the job's start before saved none and was requeued (by the job whose id it holds)
         (checkpoints.parent / ".requeued_without_a_checkpoint").write_text("6\n" if case == "none saved in another job" else "7\n")
-        made(checkpoints.parent / ".requeued_without_a_checkpoint", 60)
+        made_ago(checkpoints.parent / ".requeued_without_a_checkpoint", 60)
     if case == "none saved again, but some in a start between":
         (checkpoints / "step_00000200").mkdir()
-        made(checkpoints / "step_00000200", 30)
+        made_ago(checkpoints / "step_00000200", 30)
     saves = 'sleep 0.1; mkdir "$OUTPUT_DIR/checkpoints/step_00000240"; ' if case == "a checkpoint saved" else ""
     result, requeued, output_dir = run_the_batch_script(tmp_path, f"{saves}exit 143")
     if case == "none saved again":
