@@ -306,6 +306,8 @@ def test_the_batch_script_requeues_a_run_stopped_twice_without_a_checkpoint_only
     if case == "none saved again, but some in a start between":
         (checkpoints / "step_00000200").mkdir()
         made_ago(checkpoints / "step_00000200", 30)
+    if case == "none saved again":  # a user's copy since is no checkpoint
+        (checkpoints / "step_00000160.bak").mkdir()
     saves = 'sleep 0.1; mkdir "$OUTPUT_DIR/checkpoints/step_00000240"; ' if case == "a checkpoint saved" else ""
     result, requeued, output_dir = run_the_batch_script(tmp_path, f"{saves}exit 143")
     if case == "none saved again":
