@@ -17,7 +17,7 @@ that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
 with checkpointing, once every process saved, or after a line saying that torchrun killed them first, or
 that they ended at once, saving nothing),
-130 after Ctrl-C. Under --max_restarts, a process that a mistake stopped ends the run: every start would
+130 after Ctrl-C (in one line, also while the processes import torch: each starts through run_script.py). Under --max_restarts, a process that a mistake stopped ends the run: every start would
 meet it again.
 """
 
@@ -336,6 +336,8 @@ def main():
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
     if not (args.module or args.no_python):
         check_script_flags(args.training_script, args.training_script_args)
+        # Each process starts through run_script.py: a Ctrl-C while it imports torch ends it in one line, not a traceback.
+        args.training_script, args.training_script_args = str(HERE / "run_script.py"), [args.training_script, *args.training_script_args]
 
     def setting(name):  # the command line's value, else the profile's
         value = getattr(args, name)

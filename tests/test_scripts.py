@@ -134,7 +134,8 @@ def test_the_scripts_import_the_top_level_shared_that_the_set_up_installed(tmp_p
     result = run([sys.executable, "-c", "import shared; print(shared.__file__)"], cwd=tmp_path)
     assert result.stdout.strip() == str(REPO / "shared" / "__init__.py")
     for path in [*SCRIPTS.glob("*.py"), *(REPO / "tools").glob("*.py"), *(REPO / "shared").glob("*.py")]:
-        assert "sys.path" not in path.read_text(), path
+        if path.name != "run_script.py":  # which puts the script it runs first, where `python SCRIPT` looks first
+            assert "sys.path" not in path.read_text(), path
 
 
 def test_toy_mlp_from_a_notebook_cell_in_a_jupyter_kernel(tmp_path):
@@ -361,6 +362,26 @@ def test_ctrl_c_while_the_launcher_starts_ends_it_in_130_without_a_traceback(tmp
     job.send_signal(signal.SIGINT)
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 130 and "Traceback" not in stderr, (job.returncode, stderr[-3000:])
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_ctrl_c_while_the_processes_import_torch_ends_in_one_line(num_processes, tmp_path):
+    """Ctrl-C in the seconds each training process imports torch, before the script's own handler is in place
+    (tests/probes/importing.py stands in for that script): before, a KeyboardInterrupt's traceback from every process."""
+    launcher = ["--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2"] if num_processes == 2 else ["--cpu", "--num_processes", "1"]
+    job = subprocess.Popen([str(part) for part in [sys.executable, SCRIPTS / "launch.py", *launcher, REPO / "tests" / "probes" / "importing.py", tmp_path]],
+                           cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready_*"))) < num_processes:
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the launcher's foreground process group
+    _, stderr = job.communicate(timeout=60)
+    assert sorted(path.name for path in tmp_path.glob("ready_*")) == [f"ready_{rank}" for rank in range(num_processes)]
+    assert job.returncode == 130 and stderr.splitlines()[-1] == "Stopped by Ctrl-C.", (job.returncode, stderr[-3000:])
+    assert stderr.count("Stopped by Ctrl-C.") == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert not processes_naming(tmp_path), "every process of the launch ended"
 
 
 def test_ctrl_c_that_reaches_a_process_after_it_lost_a_peer_ends_in_the_same_line(tmp_path):
