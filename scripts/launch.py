@@ -46,7 +46,7 @@ os.environ["TORCH_CPP_LOG_LEVEL"] = CPP_LOG_LEVEL or "FATAL"
 from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 import accelerate.commands.launch as accelerate_launch
 from accelerate.commands.launch import launch_command, launch_command_parser
-from accelerate.utils import prepare_simple_launcher_cmd_env
+from accelerate.utils import ComputeEnvironment, prepare_simple_launcher_cmd_env
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -311,17 +311,21 @@ def remember_how_the_processes_ended():
     LocalElasticAgent._shutdown = shutdown_and_remember
 
 
-def runs_under_torchrun(args):
-    """Whether accelerate will launch under torchrun (a multi-GPU, FSDP or DeepSpeed launch, not --cpu),
-    by its own reading of the command line, the profile, and without one its default config or the GPUs."""
+def accelerates_launcher(args):
+    """Which launcher accelerate will use, by its own reading of the command line, the profile, and without one its
+    default config or the GPUs, in launch_command's order: whether it runs torchrun (a multi-GPU, FSDP or DeepSpeed
+    launch, not --cpu), and whether each process runs `python SCRIPT`, as under torchrun or the one-process launcher
+    (not DeepSpeed's, a TPU's or SageMaker's launcher)."""
     accelerate_launch.logger.disabled = True  # its notes on defaults come when it launches
     try:
-        launch, _, _ = accelerate_launch._validate_launch_command(copy.deepcopy(args))
+        launch, defaults, _ = accelerate_launch._validate_launch_command(copy.deepcopy(args))
     except (ValueError, ConnectionError) as error:
         fail(f"{error} ")
     finally:
         accelerate_launch.logger.disabled = False
-    return (launch.multi_gpu or launch.use_fsdp or launch.use_deepspeed) and not launch.cpu
+    if launch.cpu or not (launch.use_deepspeed or launch.use_fsdp or launch.use_megatron_lm or launch.multi_gpu):
+        return False, not (launch.tpu and not launch.cpu or getattr(defaults, "compute_environment", None) == ComputeEnvironment.AMAZON_SAGEMAKER)
+    return True, not launch.use_deepspeed
 
 
 def main():
@@ -336,8 +340,6 @@ def main():
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
     if not (args.module or args.no_python):
         check_script_flags(args.training_script, args.training_script_args)
-        # Each process starts through run_script.py: a Ctrl-C while it imports torch ends it in one line, not a traceback.
-        args.training_script, args.training_script_args = str(HERE / "run_script.py"), [args.training_script, *args.training_script_args]
 
     def setting(name):  # the command line's value, else the profile's
         value = getattr(args, name)
@@ -354,7 +356,10 @@ def main():
                      "that every machine reaches (the profile's MAIN_NODE_ADDRESS is a placeholder for it).")
     if args.cpu or (config and config.use_cpu):  # every process builds its Accelerator for the CPU, and so joins the gloo group
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    under_torchrun = runs_under_torchrun(args)
+    under_torchrun, runs_python_script = accelerates_launcher(args)
+    if runs_python_script and not (args.module or args.no_python):
+        # Each process starts through run_script.py: a Ctrl-C while it imports torch ends it in one line, not a traceback.
+        args.training_script, args.training_script_args = str(HERE / "run_script.py"), [args.training_script, *args.training_script_args]
     if args.max_restarts:
         if not under_torchrun:
             fail("--max_restarts needs torchrun, which accelerate does not use for this launch (one process without a "

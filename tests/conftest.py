@@ -115,8 +115,10 @@ def forked_commands():
 
 
 def scripts_of(commands):
-    """The file name of the script each `python` command (of forked_commands) runs."""
-    return [Path(next((part for part in command if part.endswith(".py")), " ".join(command))).name for command in commands]
+    """The file name of the script each `python` command (of forked_commands) runs (through scripts/run_script.py, as
+    scripts/launch.py starts each training process, or as itself)."""
+    names = [[Path(part).name for part in command if part.endswith(".py")] or [" ".join(command)] for command in commands]
+    return [script[1] if script[0] == "run_script.py" else script[0] for script in names]
 
 
 def script_env():
