@@ -375,15 +375,28 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
 
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
     """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
-    killed there before it completed, a requeue onto an empty disk): there `latest` skips it as damaged,
-    renaming nothing. Before, the rename of the missing copy ended the run in a FileNotFoundError."""
-    (tmp_path / "checkpoints").mkdir()
+    killed there before it completed): there `latest` skips it, renaming nothing, for the one before. Before,
+    the rename of the missing copy ended the run in a FileNotFoundError. Where that disk holds none of them
+    (a requeue onto a new machine), a sentence says so: before, that the run held no checkpoint to resume,
+    advising --overwrite_output_dir, which would have deleted machine 0's copies."""
+    folder = tmp_path / "checkpoints"
+    (folder / "step_00000004").mkdir(parents=True)
+    state = {"files": {}}  # a checkpoint with no files but its state: intact
+    (folder / "step_00000004" / "trainer_state.json").write_text(json.dumps(state | {"sha256": checkpoints.state_digest(state)}))
     machine_1 = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print,
                                 project_configuration=SimpleNamespace(save_on_each_node=True))
-    monkeypatch.setattr(checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000008"])  # what machine 0 lists
-    assert checkpoints.first_intact(machine_1, tmp_path, "latest") is None
-    assert f"Skipping damaged checkpoint {tmp_path / 'checkpoints' / 'step_00000008'}" in capsys.readouterr().out
-    assert not any((tmp_path / "checkpoints").iterdir())
+    monkeypatch.setattr(checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000004", folder / "step_00000008"])  # machine 0's
+    assert checkpoints.first_intact(machine_1, tmp_path, "latest") == folder / "step_00000004"
+    assert (f"Skipping damaged checkpoint {folder / 'step_00000008'} ({os.uname().nodename}'s disk has no copy of it); "
+            "trying the one before it.") in capsys.readouterr().out
+    assert sorted(path.name for path in folder.iterdir()) == ["step_00000004"]
+
+    shutil.rmtree(folder / "step_00000004")
+    with pytest.raises(errors.UserError) as refused:
+        checkpoints.first_intact(machine_1, tmp_path, "latest")
+    assert str(refused.value) == (
+        f"No checkpoint in {folder} is on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy machine 0's "
+        "checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then resume again.")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
@@ -602,6 +615,18 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     for folder in folders:
         assert [path.name for path in checkpoints_in(folder / "checkpoints")] == ["step_00000008"] and not list(folder.glob(".replaced*"))
     assert [(record["epoch"], record["world_size"]) for record in read_metrics(folders[0])] == [(1, 2)]
+
+    # Machine 1 replaced by one with an empty disk (a requeue onto a new machine): before, "no checkpoint to resume", advising
+    # --overwrite_output_dir, which would have deleted machine 0's copy.
+    shutil.rmtree(folders[1])
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
+                                      for folder in folders])
+    for folder, result in zip(folders, results):  # each machine names its own --output_dir
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert [line for line in result.stderr.splitlines() if "error:" in line] == [
+            f"error: No checkpoint in {folder / 'checkpoints'} is on every machine's disk ({host}'s disk has no copy of it): copy "
+            "machine 0's checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then resume again."]
+    assert [path.name for path in checkpoints_in(folders[0] / "checkpoints")] == ["step_00000008"]
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
