@@ -226,7 +226,7 @@ def first_intact(accelerator, output_dir, spec):
         absent += [reason for reason in reasons if reason.endswith("has no copy of it")]
     if absent:  # not "no checkpoint": training from the start, or over the run, would lose the copies that machine 0 holds
         raise UserError(f"No checkpoint in {folder} is on every machine's disk ({absent[0]}): copy machine 0's checkpoints into the "
-                        "others' --output_dir, or put --output_dir on a disk they all share, then resume again.", every_process=True)
+                        "others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)
     return None
 
 

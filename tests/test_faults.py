@@ -396,7 +396,7 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
         checkpoints.first_intact(machine_1, tmp_path, "latest")
     assert str(refused.value) == (
         f"No checkpoint in {folder} is on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy machine 0's "
-        "checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then resume again.")
+        "checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
@@ -625,7 +625,7 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert [line for line in result.stderr.splitlines() if "error:" in line] == [
             f"error: No checkpoint in {folder / 'checkpoints'} is on every machine's disk ({host}'s disk has no copy of it): copy "
-            "machine 0's checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then resume again."]
+            "machine 0's checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then launch again."]
     assert [path.name for path in checkpoints_in(folders[0] / "checkpoints")] == ["step_00000008"]
 
 
