@@ -34,8 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C in the 2 s of imports and checks below: 130, without a traceback (main() gives it back)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+if __name__ == "__main__":  # Ctrl-C in the 2 s of imports and checks below: 130 and one line, not a traceback (main() gives it back)
+    signal.signal(signal.SIGINT, lambda *_: (print("Stopped by Ctrl-C.", file=sys.stderr, flush=True), os._exit(130)))
 
 # torch's C++ log, whose level is read as torch loads: the launcher's says nothing its one sentence does not
 # (a rendezvous that cannot connect logs a C++ stack for each try). A level you set wins; main() sets the
