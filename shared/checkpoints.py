@@ -204,29 +204,28 @@ def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
     newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
     outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
-    deleted) and tries the one before. None: there is none; where a machine's disk lacks copies, a sentence instead."""
+    deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [named_checkpoint(Path(spec))])
-    absent = []  # with a disk per machine, the checkpoints a machine has no copy of (a requeue onto a new machine)
+    intact_elsewhere = []  # with a disk per machine, why each checkpoint skipped was, though another machine's copy is intact
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
         damaged_here = damage(path) if writes_here(accelerator) else None
-        if damaged_here and not path.exists():
-            damaged_here = f"{os.uname().nodename}'s disk has no copy of it"
-        reasons = [reason for reason in gather_object([damaged_here]) if reason]
+        checked = gather_object([(writes_here(accelerator), damaged_here)])  # each disk's copy, by its machine's first process
+        reasons = [reason for _, reason in checked if reason]
         if not reasons:
             return path
         if spec != "latest":
             raise UserError(f"Checkpoint {path} is damaged ({reasons[0]}): resume from an earlier checkpoint, "
                             "or from 'latest', which skips damaged ones.", every_process=True)
         accelerator.print(f"Skipping damaged checkpoint {path} ({reasons[0]}); trying the one before it.")
-        if damaged_here and path.exists() and not path.with_name(f"damaged_{path.name}").exists():  # else no copy on this disk
+        if damaged_here and os.path.exists(path) and not os.path.exists(path.with_name(f"damaged_{path.name}")):  # else none here
             path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
-        absent += [reason for reason in reasons if reason.endswith("has no copy of it")]
-    if absent:  # not "no checkpoint": training from the start, or over the run, would lose the copies that machine 0 holds
-        raise UserError(f"No checkpoint in {folder} is on every machine's disk ({absent[0]}): copy machine 0's checkpoints into the "
-                        "others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)
+        intact_elsewhere += [reasons[0]] if any(writes and not reason for writes, reason in checked) else []
+    if intact_elsewhere:  # not "no checkpoint": training from the start, or over the run, would lose the intact copies
+        raise UserError(f"No checkpoint in {folder} is intact on every machine's disk ({intact_elsewhere[0]}): copy a machine's intact "
+                        "ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)
     return None
 
 
@@ -236,6 +235,8 @@ def damage(folder):
         state = json.loads((folder / STATE_FILE).read_text())
         recorded = state["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
+        if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
+            return f"{os.uname().nodename}'s disk has no copy of it"
         return f"its {STATE_FILE} cannot be read: {error}"
     digest = state_digest(state)
     if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)

@@ -378,14 +378,17 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     killed there before it completed): there `latest` skips it, renaming nothing, for the one before. Before,
     the rename of the missing copy ended the run in a FileNotFoundError. Where that disk holds none of them
     (a requeue onto a new machine), a sentence says so: before, that the run held no checkpoint to resume,
-    advising --overwrite_output_dir, which would have deleted machine 0's copies."""
+    advising --overwrite_output_dir, which would have deleted machine 0's copies. Here as machine 1's process,
+    machine 0's intact copies stood in for by its answer to the gather (the two-machine test below runs both)."""
     folder = tmp_path / "checkpoints"
     (folder / "step_00000004").mkdir(parents=True)
     state = {"files": {}}  # a checkpoint with no files but its state: intact
     (folder / "step_00000004" / "trainer_state.json").write_text(json.dumps(state | {"sha256": checkpoints.state_digest(state)}))
-    machine_1 = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print,
+    machine_1 = SimpleNamespace(is_main_process=False, is_local_main_process=True, print=print,
                                 project_configuration=SimpleNamespace(save_on_each_node=True))
     monkeypatch.setattr(checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000004", folder / "step_00000008"])  # machine 0's
+    monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: work())
+    monkeypatch.setattr(checkpoints, "gather_object", lambda verdicts: [(True, None), *verdicts])  # machine 0: writes, intact
     assert checkpoints.first_intact(machine_1, tmp_path, "latest") == folder / "step_00000004"
     assert (f"Skipping damaged checkpoint {folder / 'step_00000008'} ({os.uname().nodename}'s disk has no copy of it); "
             "trying the one before it.") in capsys.readouterr().out
@@ -395,8 +398,8 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     with pytest.raises(errors.UserError) as refused:
         checkpoints.first_intact(machine_1, tmp_path, "latest")
     assert str(refused.value) == (
-        f"No checkpoint in {folder} is on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy machine 0's "
-        "checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.")
+        f"No checkpoint in {folder} is intact on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy a machine's "
+        "intact ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
@@ -616,17 +619,22 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
         assert [path.name for path in checkpoints_in(folder / "checkpoints")] == ["step_00000008"] and not list(folder.glob(".replaced*"))
     assert [(record["epoch"], record["world_size"]) for record in read_metrics(folders[0])] == [(1, 2)]
 
-    # Machine 1 replaced by one with an empty disk (a requeue onto a new machine): before, "no checkpoint to resume", advising
-    # --overwrite_output_dir, which would have deleted machine 0's copy.
-    shutil.rmtree(folders[1])
-    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
-                                      for folder in folders])
-    for folder, result in zip(folders, results):  # each machine names its own --output_dir
-        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert [line for line in result.stderr.splitlines() if "error:" in line] == [
-            f"error: No checkpoint in {folder / 'checkpoints'} is on every machine's disk ({host}'s disk has no copy of it): copy "
-            "machine 0's checkpoints into the others' --output_dir, or put --output_dir on a disk they all share, then launch again."]
-    assert [path.name for path in checkpoints_in(folders[0] / "checkpoints")] == ["step_00000008"]
+    # Machine 1's copy damaged, then machine 1 replaced by one with an empty disk (a requeue onto a new machine): machine 0's copy
+    # is intact. Before, "no checkpoint to resume", advising --overwrite_output_dir, which would have deleted it.
+    damaged = folders[1] / "checkpoints" / "step_00000008" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"?")
+    for why in ("model.safetensors differs from what was saved", f"{host}'s disk has no copy of it"):
+        results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
+                                          for folder in folders])
+        for folder, result in zip(folders, results):  # each machine names its own --output_dir
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+            assert [line for line in result.stderr.splitlines() if "error:" in line] == [
+                f"error: No checkpoint in {folder / 'checkpoints'} is intact on every machine's disk ({why}): copy a machine's intact "
+                "ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again."]
+        assert [path.name for path in checkpoints_in(folders[0] / "checkpoints")] == ["step_00000008"]
+        if why.startswith("model"):  # machine 1's copy is set aside, never deleted; then machine 1's disk is a new one
+            assert [path.name for path in (folders[1] / "checkpoints").iterdir()] == ["damaged_step_00000008"]
+            shutil.rmtree(folders[1])
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
