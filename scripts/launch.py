@@ -17,8 +17,8 @@ that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
 with checkpointing, once every process saved, or after a line saying that torchrun killed them first, or
 that they ended at once, saving nothing),
-130 after Ctrl-C (in one line, also while the processes import torch: each starts through run_script.py). Under --max_restarts, a process that a mistake stopped ends the run: every start would
-meet it again.
+130 after Ctrl-C (in one line, also while the processes import torch: each starts through run_script.py).
+Under --max_restarts, a process that a mistake stopped ends the run: every start would meet it again.
 """
 
 import copy
@@ -323,9 +323,11 @@ def accelerates_launcher(args):
         fail(f"{error} ")
     finally:
         accelerate_launch.logger.disabled = False
-    if launch.cpu or not (launch.use_deepspeed or launch.use_fsdp or launch.use_megatron_lm or launch.multi_gpu):
-        return False, not (launch.tpu and not launch.cpu or getattr(defaults, "compute_environment", None) == ComputeEnvironment.AMAZON_SAGEMAKER)
-    return True, not launch.use_deepspeed
+    on_gpus = not launch.cpu
+    if on_gpus and (launch.use_deepspeed or launch.use_fsdp or launch.use_megatron_lm or launch.multi_gpu):
+        return True, not launch.use_deepspeed
+    own_launcher = on_gpus and launch.tpu or getattr(defaults, "compute_environment", None) == ComputeEnvironment.AMAZON_SAGEMAKER
+    return False, not own_launcher
 
 
 def main():

@@ -208,7 +208,7 @@ def first_intact(accelerator, output_dir, spec):
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [named_checkpoint(Path(spec))])
-    intact_elsewhere = []  # with a disk per machine, why each checkpoint skipped was, though another machine's copy is intact
+    intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
         damaged_here = damage(path) if writes_here(accelerator) else None
