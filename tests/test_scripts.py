@@ -115,7 +115,8 @@ def test_a_script_copied_into_a_new_project_runs(data_dir, tmp_path):
 
 def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
     """Copied into a folder of a checkout, as a user starting a project there would, the copy imports the
-    shared/ beside it: an edit to the copy's shared/ shows up, and the checkout's does not."""
+    shared/ beside it: an edit to the copy's shared/ shows up, and the checkout's does not. So it does launched
+    by the checkout's scripts/launch.py, whose scripts/run_script.py starts each process with the copy's folder first."""
     checkout = tmp_path / "checkout"
     for folder in ("scripts", "shared"):
         shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -126,6 +127,9 @@ def test_a_copy_inside_a_checkout_uses_its_own_shared(data_dir, tmp_path):
     result = run([sys.executable, project / "train.py", "--data_dir", data_dir, "--output_dir", tmp_path / "out", "--num_epochs", "1"],
                  cwd=checkout)
     assert "my copy: epoch 1/1" in result.stdout
+    result = run([sys.executable, checkout / "scripts" / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                  project / "train.py", "--data_dir", data_dir, "--output_dir", tmp_path / "launched", "--num_epochs", "1"], cwd=checkout)
+    assert "my copy: epoch 1/1" in result.stdout and read_metrics(tmp_path / "launched")[0]["world_size"] == 2
 
 
 def test_the_scripts_import_the_top_level_shared_that_the_set_up_installed(tmp_path):
