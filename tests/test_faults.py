@@ -635,6 +635,12 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
         if why.startswith("model"):  # machine 1's copy is set aside, never deleted; then machine 1's disk is a new one
             assert [path.name for path in (folders[1] / "checkpoints").iterdir()] == ["damaged_step_00000008"]
             shutil.rmtree(folders[1])
+    # As the sentence says: machine 0's checkpoints copied to machine 1, the run resumes on both and trains on.
+    shutil.copytree(folders[0] / "checkpoints", folders[1] / "checkpoints")
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
+                                      for folder in folders])
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert [(record["epoch"], record["world_size"]) for record in read_metrics(folders[0])] == [(1, 2), (2, 2)]
 
 
 def test_machines_launched_with_different_profiles_stop_before_the_first_step(small_data, tmp_path):
