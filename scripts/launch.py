@@ -124,6 +124,7 @@ class TorchrunLog(logging.Handler):
         self.failed = None
         self.stopped_by_torchrun = set()  # their pids
         self.waiting = False  # under torchrun, until it starts this machine's processes, and while it restarts them
+        self.stopping_after_a_failure = False  # torchrun stops the others after a process failed, before a restart or the end
         self.started = False  # whether this machine's processes have started: it then reached machine 0 once
 
     def emit(self, record):
@@ -147,9 +148,11 @@ class TorchrunLog(logging.Handler):
         elif "Rendezvous'ing worker group" in message:  # at the start and at each restart, when no process runs
             self.waiting = True
         elif "Starting worker group" in message:
-            self.waiting, self.started = False, True
+            self.waiting, self.started, self.stopping_after_a_failure = False, True, False
         elif stopping := re.match(r"Sending process (\d+) closing signal", message):
             self.stopped_by_torchrun.add(int(stopping[1]))
+            # torchrun's own stop once a process failed, not the stop that a signal to this launcher began (in the signal's handler)
+            self.stopping_after_a_failure |= not isinstance(sys.exc_info()[1], SignalException)
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
             print("Restarting this machine's processes to rejoin another machine's restarted ones; "
                   "they resume from the newest checkpoint.", file=sys.stderr, flush=True)
@@ -239,12 +242,11 @@ def end_if_stuck_waiting(reader, torchrun_log):
                 end_while_waiting(signum)
 
 
-def end_while_waiting(signum):
+def end_while_waiting(signum, during="the launch waited for the other machines, with no training process running here"):
     with ENDING:  # once, from the main thread or the signal's thread, whichever comes first
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"Stopped by {name} while the launch waited for the other machines, with no training process running here: nothing "
-              "trained since the newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.",
-              file=sys.stderr, flush=True)
+        print(f"Stopped by {name} while {during}: nothing trained since the newest checkpoint; resume with "
+              "--resume_from_checkpoint latest if the run saved checkpoints.", file=sys.stderr, flush=True)
         exit_now(128 + signal.SIGINT if signum == signal.SIGINT else STOPPED_EXIT_CODE)
 
 
@@ -420,6 +422,8 @@ def main():
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
         if torchrun_log.waiting:
             end_while_waiting(error.sigval)
+        if torchrun_log.stopping_after_a_failure:  # the failed process's exit 1 is no save that failed after the signal
+            end_while_waiting(error.sigval, "torchrun stopped the processes after one failed")
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)
         died_of_it = EXIT_CODES_AT_SHUTDOWN and all(code == -error.sigval for code in EXIT_CODES_AT_SHUTDOWN)  # none saved
