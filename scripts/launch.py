@@ -288,15 +288,20 @@ def no_restart_after_a_mistake():
 
     def monitor_workers(agent, worker_group):
         result = monitor(agent, worker_group)
-        if any(failure.exitcode == STOPPED_EXIT_CODE or isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ")
-               for failure in result.failures.values()):
+        if any(map(ends_the_run, result.failures.values())):
             agent._remaining_restarts = 0
         return result
 
     LocalElasticAgent._monitor_workers = monitor_workers
 
 
+def ends_the_run(failure):
+    """Whether a process's end leaves no restart: a mistake (its error file holds a UserError), or a stop on a signal (143)."""
+    return failure.exitcode == STOPPED_EXIT_CODE or isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ")
+
+
 EXIT_CODES_AT_SHUTDOWN = []
+A_RESTART_WAS_DUE = []  # at the newest shutdown: restarts were left, and what torchrun's monitor had found asked for one
 
 
 def remember_how_the_processes_ended():
@@ -309,6 +314,8 @@ def remember_how_the_processes_ended():
         shutdown(agent, *args, **kwargs)
         handlers = getattr(agent._pcontext, "subprocess_handlers", {})
         EXIT_CODES_AT_SHUTDOWN[:] = [handler.proc.returncode for handler in handlers.values()]
+        failures = getattr(agent._pcontext, "_failures", {}).values()  # found before this shutdown, where one failed first
+        A_RESTART_WAS_DUE[:] = [agent._remaining_restarts > 0 and not any(map(ends_the_run, failures))]
 
     LocalElasticAgent._shutdown = shutdown_and_remember
 
@@ -422,8 +429,8 @@ def main():
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
         if torchrun_log.waiting:
             end_while_waiting(error.sigval)
-        if torchrun_log.stopping_after_a_failure:  # the failed process's exit 1 is no save that failed after the signal
-            end_while_waiting(error.sigval, "torchrun stopped the processes after one failed")
+        if torchrun_log.stopping_after_a_failure and A_RESTART_WAS_DUE == [True]:  # the failed one's exit 1 is no failed save
+            end_while_waiting(error.sigval, "torchrun stopped the processes after one failed, to restart them")
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)
         died_of_it = EXIT_CODES_AT_SHUTDOWN and all(code == -error.sigval for code in EXIT_CODES_AT_SHUTDOWN)  # none saved

@@ -298,25 +298,30 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, refe
     assert_same_records(read_metrics(reference), read_metrics(restarted), rel=1e-6)
 
 
-def test_a_signal_while_torchrun_stops_the_processes_after_a_crash_ends_in_143_and_one_line(small_data, tmp_path):
-    """SIGTERM to the launcher while torchrun stops the other processes after one crashed, before it restarts them (a
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_signal_while_torchrun_stops_the_processes_to_restart_them_ends_in_143_and_one_line(restarts, small_data, tmp_path):
+    """SIGTERM to the launcher while torchrun stops the other processes after one crashed, to restart them (a
     preemption can come at any moment; the stop takes seconds, as the survivor finds its peer gone): the run ends in
     143, on which the SLURM script requeues it, and one line. Before, the crashed process's exit 1 read as a save
-    that failed after the signal: exit 1 in silence, which no requeue follows."""
+    that failed after the signal: exit 1 in silence, which no requeue follows. With no restart due, the crash ends
+    the run in its exit 1 as it would have without the signal."""
     output_dir = tmp_path / "run"
     job = start(launch("--output_dir", output_dir, "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20",
-                       launcher_flags=["--max_restarts", "1"], script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path)})
+                       launcher_flags=["--max_restarts", restarts], script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path)})
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
-    survivor, crashing = training_process(job, 0), training_process(job, 1)
-    (tmp_path / "exit_1_1").touch()  # rank 1 crashes; torchrun, which looks every 0.1 s, then stops rank 0
-    crashing.wait(timeout=60)
-    time.sleep(0.5)
+    survivor = training_process(job, 0)
+    (tmp_path / "exit_1_1").touch()  # rank 1 crashes; torchrun, which looks every 0.1 s, then stops rank 0 with SIGTERM
+    wait_until(lambda: (tmp_path / "signalled_0").exists(), job, "torchrun's SIGTERM to rank 0")
     assert survivor.is_running(), "rank 0 takes seconds to stop: it waits before it leaves a group whose peer is gone"
     job.send_signal(signal.SIGTERM)
     _, stderr = finish(job, GRACE_S + 60)
-    assert job.returncode == 143 and "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
-    assert stderr.splitlines()[-1] == ("Stopped by SIGTERM while torchrun stopped the processes after one failed: nothing trained since "
-                                       "the newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.")
+    assert "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
+    line = ("Stopped by SIGTERM while torchrun stopped the processes after one failed, to restart them: nothing trained since the "
+            "newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.")
+    if restarts:
+        assert job.returncode == 143 and stderr.splitlines()[-1] == line, stderr[-3000:]
+    else:
+        assert job.returncode == 1 and line not in stderr, stderr[-3000:]
     assert latest_checkpoint(output_dir / "checkpoints").name == "step_00000060"
     assert_no_process_left(tmp_path)
 
