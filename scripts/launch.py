@@ -306,8 +306,9 @@ A_RESTART_WAS_DUE = []  # at the newest shutdown: restarts were left, and what t
 
 def remember_how_the_processes_ended():
     """On a signal to stop, torchrun passes it on, waits for the processes to end and raises SignalException,
-    which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why).
-    Each restart shuts the processes of the start before down too: only the newest shutdown's are kept."""
+    which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why),
+    unless it had failed before, when a restart was due (A_RESTART_WAS_DUE). Each restart shuts the processes
+    of the start before down too: only the newest shutdown's are kept."""
     shutdown = LocalElasticAgent._shutdown
 
     def shutdown_and_remember(agent, *args, **kwargs):
