@@ -323,6 +323,7 @@ def test_a_signal_while_torchrun_stops_the_processes_to_restart_them_ends_in_143
     else:
         assert job.returncode == 1 and line not in stderr, stderr[-3000:]
     assert latest_checkpoint(output_dir / "checkpoints").name == "step_00000060"
+    assert_world_size(output_dir)  # epoch 1 (64 steps) was trained by one group of 2
     assert_no_process_left(tmp_path)
 
 

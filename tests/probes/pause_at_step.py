@@ -2,9 +2,9 @@
 on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
 appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Pausing, each writes
 PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds its file there already (restarted, it passes
-the step again) goes on; a signal to stop writes PAUSE_DIR/signalled_<rank>. A test that acts on a run (a signal, a kill, a cut link) then acts at a known
-step however busy the machine is, where a test that acts once epoch 1 is recorded can find the run
-already ended. Pausing changes no arithmetic: the weights stay bitwise those of a run that never paused.
+the step again) goes on; a signal to stop writes PAUSE_DIR/signalled_<rank>. A test that acts on a run (a
+signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that acts
+once epoch 1 is recorded can find the run already ended. Pausing changes no arithmetic: the weights stay bitwise those of a run that never paused.
 Each step is a multiple of Preemption.CHECK_EVERY, so the processes check for a signal right after it.
 
     PAUSE_SCRIPT=scripts/cpu_gloo.py PAUSE_AT_STEP=70 PAUSE_DIR=/tmp/run python tests/probes/pause_at_step.py --output_dir ...
