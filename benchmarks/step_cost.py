@@ -81,7 +81,7 @@ def digest_cost(size_mb, repeats=3):
     warm and dropped (dropping needs root; None without): medians over repeats."""
     from safetensors.torch import save_file
 
-    from shared.checkpoints import sha256
+    from shared.intact_checkpoints import sha256
 
     weights = {"weights": torch.randn(size_mb * 2**20 // 4)}
     timings = {"write": [], "SHA-256, warm": [], "SHA-256, from disk": []}

@@ -8,7 +8,6 @@ SHA-256 of every file, so a file damaged since is found before it is loaded.
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -16,15 +15,16 @@ import time
 import warnings
 from pathlib import Path
 
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
-from shared.errors import OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.errors import LOST_PEER_SIGNS, OUT_OF_MEMORY_SIGNS, UserError, first_line
+from shared.intact_checkpoints import first_intact, sha256, state_digest
 from shared.flags import OUT_OF_MEMORY_ADVICE
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
-                               delete_renamed_first, model_saved_after, named_checkpoint, writes_here)
+                               delete_renamed_first, model_saved_after, writes_here)
 
 
 @dataclasses.dataclass
@@ -38,6 +38,7 @@ class Position:
     epoch_totals: tuple = (0.0, 0.0)  # loss x samples and samples of the epoch so far, all processes
     epoch_seconds: float = 0.0
     elapsed_s: float = 0.0  # since the run first started
+    process_totals: tuple = ()  # epoch_totals of each process, in rank order
 
 
 class Checkpoints:
@@ -67,6 +68,7 @@ class Checkpoints:
         if stats is not None:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
+            position.process_totals = stats.each_process()
         name = CHECKPOINT_NAME.format(step)
         final, partial = self.folder / name, self.folder / f".tmp_{name}"
         if self.writes:
@@ -101,9 +103,11 @@ class Checkpoints:
             "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
             "batches_per_epoch": self.batches_per_epoch, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}, indent=1))
+        write_through([*partial.rglob("*"), partial])
         if final.exists():  # renamed, not deleted in place: a kill midway leaves no half of it for `latest` (branch_at removes it)
             final.rename(final.with_name(f".pruned_{final.name}"))
         partial.rename(final)
+        write_through([final.parent])  # the rename too, before older checkpoints are pruned
         shutil.rmtree(final.with_name(f".pruned_{final.name}"), ignore_errors=True)
 
     def _prune(self):
@@ -129,7 +133,8 @@ class Checkpoints:
         state = json.loads((path / STATE_FILE).read_text())
         stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(path, state, max_train_steps))
         position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
-                            tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"])
+                            tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"],
+                            tuple(map(tuple, state.get("process_totals", ()))))  # not recorded before 2026-11-27
         self.started = time.perf_counter() - state["elapsed_s"]
         # A checkpoint saved after its epoch's last batch, or at --max_train_steps, leaves no step to take before
         # the epoch's scheduler.step(): torch's warning that the scheduler then stepped first is about other code.
@@ -200,66 +205,15 @@ class Checkpoints:
         return state["samples_done"] // batch
 
 
-def first_intact(accelerator, output_dir, spec):
-    """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
-    newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
-    outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
-    deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead."""
-    folder = Path(output_dir) / CHECKPOINT_FOLDER
-    names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
-                                          if spec == "latest" else [named_checkpoint(Path(spec))])
-    intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
-    for name in names:
-        path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
-        damaged_here = damage(path) if writes_here(accelerator) else None
-        checked = gather_object([(writes_here(accelerator), damaged_here)])  # each disk's copy, by its machine's first process
-        reasons = [reason for _, reason in checked if reason]
-        if not reasons:
-            return path
-        if spec != "latest":
-            raise UserError(f"Checkpoint {path} is damaged ({reasons[0]}): resume from an earlier checkpoint, "
-                            "or from 'latest', which skips damaged ones.", every_process=True)
-        accelerator.print(f"Skipping damaged checkpoint {path} ({reasons[0]}); trying the one before it.")
-        if damaged_here and os.path.exists(path) and not os.path.exists(path.with_name(f"damaged_{path.name}")):  # else none here
-            path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
-        intact_elsewhere += [reasons[0]] if any(writes and not reason for writes, reason in checked) else []
-    if intact_elsewhere:  # not "no checkpoint": training from the start, or over the run, would lose the intact copies
-        raise UserError(f"No checkpoint in {folder} is intact on every machine's disk ({intact_elsewhere[0]}): copy a machine's intact "
-                        "ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)
-    return None
-
-
-def damage(folder):
-    """The first file of a checkpoint folder that is missing, unreadable or not its recorded digest, as a sentence part; or None."""
-    try:
-        state = json.loads((folder / STATE_FILE).read_text())
-        recorded = state["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
-        if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
-            return f"{os.uname().nodename}'s disk has no copy of it"
-        return f"its {STATE_FILE} cannot be read: {error}"
-    digest = state_digest(state)
-    if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)
-        return f"its {STATE_FILE} differs from what was saved"
-    for name, digest in recorded.items():
+def write_through(paths):
+    """Each file and folder of `paths` written from the kernel's cache to the disk (fsync): else a machine that crashes
+    within seconds of a save may come back with the checkpoint's files empty, and the ones before it pruned."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
         try:
-            if sha256(folder / name) != digest:
-                return f"{name} differs from what was saved"
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except OSError as error:  # a file this user cannot read, a folder in its place: no traceback on one process
-            return f"{name} could not be read ({first_line(error)})"
-    return None
-
-
-def state_digest(state):
-    """The SHA-256 of a checkpoint's state less its own digest: a trainer_state.json edited since is found, not resumed."""
-    return hashlib.sha256(json.dumps({key: value for key, value in state.items() if key != "sha256"}, sort_keys=True).encode()).hexdigest()
-
-
-def sha256(path):
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 @contextlib.contextmanager
@@ -271,6 +225,8 @@ def loading(path, accelerator, position=None):
         yield
     except (Exception, CheckpointException) as error:  # torch and safetensors raise many kinds on a damaged file
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
+        if isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):  # another process is gone, not
+            raise cause from None  # the file: errors.run_main ends this one as a lost peer's survivor, which a restart gets past
         advice = OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one"
         failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): {advice}."
         # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.

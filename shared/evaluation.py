@@ -9,7 +9,7 @@ from accelerate.utils import gather_object
 from safetensors.torch import load_file
 
 from shared import stop_together
-from shared.checkpoints import first_intact, sha256
+from shared.intact_checkpoints import first_intact, sha256
 from shared.errors import UserError, first_line
 from shared.metrics import write_whole
 from shared.run_folder import EVAL_FILE, MODEL_FILE

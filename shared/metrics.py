@@ -29,7 +29,10 @@ class EpochStats:
         if carried_over is not None:
             self.batches = carried_over.batches_done
             self.started -= carried_over.epoch_seconds
-            if accelerator.is_main_process:  # the saved sums are already over all processes
+            if len(carried_over.process_totals) == accelerator.num_processes:  # this process's own sums: the epoch's come out bitwise
+                loss_sum, self.samples = carried_over.process_totals[accelerator.process_index]
+                self.loss_sum += loss_sum
+            elif accelerator.is_main_process:  # at another world size, the sums over all processes
                 self.loss_sum += carried_over.epoch_totals[0]
                 self.samples = int(carried_over.epoch_totals[1])
 
@@ -55,6 +58,13 @@ class EpochStats:
                 "--resume_from_checkpoint latest if the run saved checkpoints (none of them holds such weights), or train again.",
                 every_process=True)
         return (loss_sum, samples), time.perf_counter() - self.started
+
+    def each_process(self):
+        """Every process must call this (one gather): each process's loss and sample sums so far, in rank order, for a
+        checkpoint: resumed at the same world size, each process goes on from its own, and the float sums at the
+        epoch's end group as in a run that never stopped (from the sums over all processes they would round differently)."""
+        own = torch.tensor([[self.loss_sum.item(), self.samples]], dtype=torch.float64, device=self.loss_sum.device)
+        return tuple((loss_sum, int(samples)) for loss_sum, samples in self.accelerator.gather(own).tolist())
 
     def summary(self):
         """Every process must call this (two collectives): the epoch's mean loss over every process's

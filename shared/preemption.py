@@ -10,8 +10,8 @@ second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is w
 A process blocked in a collective that never completes (a peer gone or stuck) never runs Python's
 signal handlers, which wait for the main thread. A thread of its own wakes at the signal instead
 (Python's C-level handler writes the signal's number to the wakeup fd even then) and, when the main
-thread has stood at the same line for GRACE_S seconds since (evaluating, it moves on; blocked in C, it
-does not), ends the process with one line, before torchrun kills it. It watches the save of an agreed
+thread has stood in the same call at the same instruction for GRACE_S seconds since (evaluating, or waiting for
+its data, it moves on; blocked in C, it does not), ends the process with one line, before torchrun kills it. It watches the save of an agreed
 stop too, whose peer can be lost as well: a machine gone mid-save would hold the others until
 --ddp_timeout. Writing or reading a checkpoint or the model (safetensors writes a whole file in one C
 call), or waiting while another process does, may stand at one line up to BUSY_LIMIT_S instead: a slow
@@ -86,7 +86,8 @@ class Preemption:
         main, where, since = threading.main_thread().ident, None, time.monotonic()
         while not self.ended.is_set():  # until the run ends: after its save, an agreed stop ends it
             frame = sys._current_frames().get(main)
-            here = (frame.f_code, frame.f_lineno) if frame else None
+            # The frame itself, not its line: a loop that waits on its data calls the same line anew (a new frame) many times a second.
+            here = (frame, frame.f_lasti) if frame else None  # kept, so no later frame can take its place in memory
             limit = self.BUSY_LIMIT_S if self._busy(frame) else self.GRACE_S
             if here != where:  # the main thread moved on
                 where, since = here, time.monotonic()

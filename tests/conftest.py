@@ -42,7 +42,7 @@ sys.path.insert(0, str(TESTS))
 
 from fork_server import FORKED_LOG  # noqa: E402
 from synthetic_digits import write_small_mnist  # noqa: E402
-from shared.checkpoints import sha256, state_digest  # noqa: E402
+from shared.intact_checkpoints import sha256, state_digest  # noqa: E402
 from shared.metrics import read_records  # noqa: E402
 from shared.run_folder import STATE_FILE, checkpoints_in  # noqa: E402
 

@@ -28,7 +28,7 @@ from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_po
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
-from shared import checkpoints, errors, stop_together
+from shared import checkpoints, errors, intact_checkpoints, stop_together
 from shared.errors import LOST_PEER_EXIT_CODE
 
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
@@ -373,6 +373,47 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
     assert line.startswith(f"error: Checkpoint {checkpoint} could not be loaded (") and line.endswith("): resume from an earlier one."), line
 
 
+def test_a_checkpoint_is_written_through_to_the_disk_before_its_rename_and_the_prune(tmp_path, monkeypatch):
+    """A crash of the machine (not only of the process) within seconds of a save would otherwise find the checkpoint's
+    files still in the kernel's cache, lost, and the checkpoints before it already pruned: each file, its folder, and
+    the checkpoints folder after the rename are fsync'ed, in that order, before the prune. Here as the main process
+    of one, with the real rename; os.fsync records which path each call flushed."""
+    events = []
+    monkeypatch.setattr(os, "fsync", lambda descriptor: events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}"))))
+    main_process = SimpleNamespace(is_main_process=True, num_processes=1, gradient_accumulation_steps=1)
+    saver = checkpoints.Checkpoints(main_process, tmp_path, every=4, keep=1, batch_size=8, batches_per_epoch=10, num_epochs=1)
+    folder = tmp_path / "checkpoints"
+    partial = folder / ".tmp_step_00000004"
+    (partial / "random_states").mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"weights")
+    (partial / "random_states" / "rng_state.pkl").write_bytes(b"state")
+    saver._complete(partial, folder / "step_00000004", checkpoints.Position(epoch=1, global_step=4))
+    flushed = [path for _, path in events]
+    assert sorted(flushed[:-1]) == sorted(str(partial / name) for name in
+                                          ["", "model.safetensors", "random_states", "random_states/rng_state.pkl", "trainer_state.json"])
+    assert flushed[-1] == str(folder), "the rename, after it"
+    assert checkpoint_damage(folder / "step_00000004") is None
+
+
+@pytest.mark.parametrize("raised_as", ["itself", "in torch's CheckpointException"])
+def test_a_peer_lost_while_fsdp_loads_a_checkpoint_is_no_damaged_checkpoint(tmp_path, raised_as):
+    """FSDP's load has collectives: a peer lost in one (gloo's error, or NCCL's under TORCH_NCCL_BLOCKING_WAIT=1) goes
+    on to errors.run_main, which ends the process as a lost peer's survivor (exit 75, which --max_restarts restarts).
+    Before, it ended in "Checkpoint ... could not be loaded (Connection closed by peer): resume from an earlier one",
+    a mistake in the error file, after which the launcher restarted nothing. Here inside one process's load."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:29500")
+    fsdp = SimpleNamespace(distributed_type=checkpoints.DistributedType.FSDP)
+    with pytest.raises(RuntimeError) as raised, checkpoints.loading(tmp_path / "step_00000004", fsdp):
+        raise lost if raised_as == "itself" else CheckpointException("load failed", {1: (lost, None)})
+    assert raised.value is lost
+    with pytest.raises(errors.UserError) as refused, checkpoints.loading(tmp_path / "step_00000004", fsdp):  # a damaged file still is one
+        raise CheckpointException("load failed", {0: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
+    assert str(refused.value) == (f"Checkpoint {tmp_path / 'step_00000004'} could not be loaded (PytorchStreamReader failed reading "
+                                  "zip archive): resume from an earlier one.")
+
+
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
     """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
     killed there before it completed): there `latest` skips it, renaming nothing, for the one before. Before,
@@ -383,20 +424,20 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     folder = tmp_path / "checkpoints"
     (folder / "step_00000004").mkdir(parents=True)
     state = {"files": {}}  # a checkpoint with no files but its state: intact
-    (folder / "step_00000004" / "trainer_state.json").write_text(json.dumps(state | {"sha256": checkpoints.state_digest(state)}))
+    (folder / "step_00000004" / "trainer_state.json").write_text(json.dumps(state | {"sha256": intact_checkpoints.state_digest(state)}))
     machine_1 = SimpleNamespace(is_main_process=False, is_local_main_process=True, print=print,
                                 project_configuration=SimpleNamespace(save_on_each_node=True))
-    monkeypatch.setattr(checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000004", folder / "step_00000008"])  # machine 0's
+    monkeypatch.setattr(intact_checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000004", folder / "step_00000008"])  # machine 0's
     monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: work())
-    monkeypatch.setattr(checkpoints, "gather_object", lambda verdicts: [(True, None), *verdicts])  # machine 0: writes, intact
-    assert checkpoints.first_intact(machine_1, tmp_path, "latest") == folder / "step_00000004"
+    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda verdicts: [(True, None), *verdicts])  # machine 0: writes, intact
+    assert intact_checkpoints.first_intact(machine_1, tmp_path, "latest") == folder / "step_00000004"
     assert (f"Skipping damaged checkpoint {folder / 'step_00000008'} ({os.uname().nodename}'s disk has no copy of it); "
             "trying the one before it.") in capsys.readouterr().out
     assert sorted(path.name for path in folder.iterdir()) == ["step_00000004"]
 
     shutil.rmtree(folder / "step_00000004")
     with pytest.raises(errors.UserError) as refused:
-        checkpoints.first_intact(machine_1, tmp_path, "latest")
+        intact_checkpoints.first_intact(machine_1, tmp_path, "latest")
     assert str(refused.value) == (
         f"No checkpoint in {folder} is intact on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy a machine's "
         "intact ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.")
@@ -529,7 +570,7 @@ def test_a_machine_that_stops_before_the_group_forms_ends_the_other_in_one_line_
                                           "(that process ended, or the network to its machine failed). Resume with "
                                           "--resume_from_checkpoint latest if the run saved checkpoints."], waited.stderr[-3000:]
     if stopping == 1:  # machine 0 waited --ddp_timeout for it
-        assert f"[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout" in waited.stderr, waited.stderr[-3000:]
+        assert "[rank 0] stopped: no answer from another process within --ddp_timeout (wait timeout" in waited.stderr, waited.stderr[-3000:]
 
 
 @pytest.mark.parametrize("finds_it", [1, 0])
@@ -590,7 +631,7 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
         for result in results:
             assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
             (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
-            assert line.startswith(f"error: The processes disagree before the first step: the loaded weights have SHA-256 ") and line.endswith(
+            assert line.startswith("error: The processes disagree before the first step: the loaded weights have SHA-256 ") and line.endswith(
                 f"in process 0 on {host}: give every machine the same copy of the checkpoint (machine 0's), or resume from one they "
                 "saved together."), line
     assert [record["epoch"] for record in read_metrics(folders[0])] == [1] and not (folders[0] / "eval.json").exists()
@@ -764,6 +805,30 @@ def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
     seconds, returncode, stderr = signal_the_probe_in_place(tmp_path / "stuck", "--stuck_save")
     assert 10 < seconds < 25 and returncode == 143, stderr
     assert stderr.count("10 s after a signal to stop, this process was still waiting on another") == 2, stderr
+
+
+def test_a_process_that_torchrun_stops_after_another_crashed_ending_in_143_leaves_the_restart_due(tmp_path):
+    """Under --max_restarts, rank 0 crashes; rank 1, blocked as in NCCL with its lost peer, ends 143 at its watchdog
+    while torchrun stops it. That 143 is no stop the run was told to make: the run restarts. Before, the launcher
+    took it for one, left no restart and exited 1 (on which SLURM's batch script does not requeue)."""
+    command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--max_restarts", "1",
+               PROBES / "stuck_in_collective.py", tmp_path, "--rank_0_crashes_at_first_start"]
+    result = subprocess.run([str(part) for part in command], cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 1] stopped: 3 s after a signal to stop" in result.stderr, "the 143 of the watchdog, in torchrun's stop"
+    assert "Restarting the run (1 of 1 restarts): process 0 exited with code 1" in result.stderr, result.stderr[-3000:]
+    assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2, at each start"
+
+
+def test_a_process_waiting_for_its_data_after_sigterm_is_not_taken_for_stuck(tmp_path):
+    """A loop that waits on its DataLoader's workers calls the same line over and over, each call inside one
+    C call: the watchdog sampled that line at every look and ended a process making progress, losing what it
+    had trained since its last checkpoint. It follows the call itself now: both processes go on past the
+    probe's 3 s grace and end their loop."""
+    seconds, returncode, stderr = signal_the_probe_in_place(tmp_path, "--waiting_for_data")
+    assert returncode == 0 and "after a signal to stop" not in stderr, stderr
+    assert sorted(path.name for path in tmp_path.glob("finished_*")) == ["finished_0", "finished_1"]
+    assert seconds > 3, "the loop outlasted the grace"
 
 
 def test_a_save_after_the_agreed_stop_whose_peer_is_lost_ends_at_the_limit(tmp_path):

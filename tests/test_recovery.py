@@ -157,6 +157,22 @@ def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_pat
     assert_world_size(tmp_path / "stopped")
 
 
+def test_a_signal_after_the_runs_last_check_lets_it_finish_and_the_launcher_exits_0(small_data, tmp_path):
+    """SIGTERM to the launcher after the processes' last check (paused after step 70 of --max_train_steps 70): the
+    run finishes, saves its model, and each process exits 0; so does the launcher. Before, it exited 143, on which
+    a cluster requeues the job, whose resume then stops in "already trained 70 steps" (exit 1)."""
+    output_dir = tmp_path / "finished"
+    args = ["--output_dir", output_dir, "--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000", "--max_train_steps", "70"]
+    job = start(launch(*args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path)})
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = finish(job, GRACE_S)
+    assert job.returncode == 0 and "Traceback" not in stderr and "Stopped by" not in stderr, stderr[-3000:]
+    assert {path.name for path in tmp_path.glob("signalled_*")} == {"signalled_0", "signalled_1"}, "torchrun passed it on"
+    assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in stdout, stdout[-2000:]
+    assert not checkpoints_in(output_dir / "checkpoints")
+    assert_world_size(output_dir)
+
 def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small_data, tmp_path):
     """SIGUSR1, SLURM's warning, to the launcher and its processes, whose save then fails (a file stands where
     the checkpoints folder goes): the save's sentence, and the launcher exits 1. Before, it exited 143, on which

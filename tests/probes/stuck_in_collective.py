@@ -6,8 +6,13 @@ With --slow_save every process instead spends 6 s in one C call inside a functio
 accelerator.save_state spends writing a large checkpoint (the probe assumes only that name and the
 one long call), then writes `saved`; with --stuck_save it stays there, as a save whose peer is lost would;
 with --stuck_save_once_agreed the processes first agree on the stop (accelerator.check_trigger), as a
-training loop does, then stay in the save."""
+training loop does, then stay in the save. With --waiting_for_data the process instead spends 6 s calling the
+same line over and over, each call 0.2 s in one C call, as a loop waiting on its DataLoader's workers does
+(a new frame each call), then writes `finished` and ends: it is making progress, not stuck. With
+--rank_0_crashes_at_first_start rank 0 exits 1 once every process is in place, while rank 1 waits on, as
+one blocked in NCCL for its lost peer; restarted (under --max_restarts), both end at once."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,15 +28,29 @@ def save_state(seconds):
     time.sleep(seconds)  # one C call
 
 
+def next_batch():
+    time.sleep(0.2)  # one C call, as a wait on the workers' queue
+
+
 def main():
     accelerator = Accelerator(cpu=cpu_only())
     Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 3, 10  # the tests' waits; training runs keep the defaults
     preemption = Preemption(accelerator, enabled=True)
     (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
-    if "--stuck_save_once_agreed" in sys.argv:
+    if "--rank_0_crashes_at_first_start" in sys.argv:
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            accelerator.wait_for_everyone()  # rank 1 is watched before torchrun stops it
+            if accelerator.is_main_process:
+                os._exit(1)  # a crash: no sentence
+            time.sleep(600)
+    elif "--stuck_save_once_agreed" in sys.argv:
         while not preemption.stop_agreed(Preemption.CHECK_EVERY):  # a collective each time, until the signal has come
             time.sleep(0.1)
         save_state(600)
+    elif "--waiting_for_data" in sys.argv:
+        for _ in range(30):
+            next_batch()
+        (Path(sys.argv[1]) / f"finished_{accelerator.process_index}").write_text("finished")
     elif "--slow_save" in sys.argv or "--stuck_save" in sys.argv:
         save_state(6 if "--slow_save" in sys.argv else 600)  # past the probe's GRACE_S, within its BUSY_LIMIT_S; or never done
         (Path(sys.argv[1]) / f"saved_{accelerator.process_index}").write_text("saved")

@@ -1,0 +1,75 @@
+"""Which checkpoint is intact: each file of a checkpoint folder against the SHA-256 that its trainer_state.json
+records (shared/checkpoints.py writes them), on every machine's copy where each machine has a disk."""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from accelerate.utils import gather_object
+
+from shared import stop_together
+from shared.errors import UserError, first_line
+from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoints_in, named_checkpoint, writes_here
+
+
+def first_intact(accelerator, output_dir, spec):
+    """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
+    newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
+    outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
+    deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead."""
+    folder = Path(output_dir) / CHECKPOINT_FOLDER
+    names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
+                                          if spec == "latest" else [named_checkpoint(Path(spec))])
+    intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
+    for name in names:
+        path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
+        damaged_here = damage(path) if writes_here(accelerator) else None
+        checked = gather_object([(writes_here(accelerator), damaged_here)])  # each disk's copy, by its machine's first process
+        reasons = [reason for _, reason in checked if reason]
+        if not reasons:
+            return path
+        if spec != "latest":
+            raise UserError(f"Checkpoint {path} is damaged ({reasons[0]}): resume from an earlier checkpoint, "
+                            "or from 'latest', which skips damaged ones.", every_process=True)
+        accelerator.print(f"Skipping damaged checkpoint {path} ({reasons[0]}); trying the one before it.")
+        if damaged_here and os.path.exists(path) and not os.path.exists(path.with_name(f"damaged_{path.name}")):  # else none here
+            path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
+        intact_elsewhere += [reasons[0]] if any(writes and not reason for writes, reason in checked) else []
+    if intact_elsewhere:  # not "no checkpoint": training from the start, or over the run, would lose the intact copies
+        raise UserError(f"No checkpoint in {folder} is intact on every machine's disk ({intact_elsewhere[0]}): copy a machine's intact "
+                        "ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)
+    return None
+
+
+def damage(folder):
+    """The first file of a checkpoint folder that is missing, unreadable or not its recorded digest, as a sentence part; or None."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+        recorded = state["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
+        if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
+            return f"{os.uname().nodename}'s disk has no copy of it"
+        return f"its {STATE_FILE} cannot be read: {error}"
+    digest = state_digest(state)
+    if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)
+        return f"its {STATE_FILE} differs from what was saved"
+    for name, digest in recorded.items():
+        try:
+            if sha256(folder / name) != digest:
+                return f"{name} differs from what was saved"
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as error:  # a file this user cannot read, a folder in its place: no traceback on one process
+            return f"{name} could not be read ({first_line(error)})"
+    return None
+
+
+def state_digest(state):
+    """The SHA-256 of a checkpoint's state less its own digest: a trainer_state.json edited since is found, not resumed."""
+    return hashlib.sha256(json.dumps({key: value for key, value in state.items() if key != "sha256"}, sort_keys=True).encode()).hexdigest()
+
+
+def sha256(path):
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
