@@ -279,7 +279,7 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
         args.local_addr = setting("main_process_ip")
 
 
-def no_restart_after_a_mistake(torchrun_log):
+def no_restart_after_a_mistake():
     """torchrun restarts the run after any failed process while --max_restarts allow it. A process that a
     mistake ended (a full disk, a diverged loss) wrote the mistake to its error file (shared/errors.py), and
     every start would end the same way: no restarts are left after it, as torch's agent does itself for a
@@ -290,26 +290,25 @@ def no_restart_after_a_mistake(torchrun_log):
 
     def monitor_workers(agent, worker_group):
         result = monitor(agent, worker_group)
-        if any(ends_the_run(failure, torchrun_log) for failure in result.failures.values()):
+        if any(map(ends_the_run, result.failures.values())):
             agent._remaining_restarts = 0
         return result
 
     LocalElasticAgent._monitor_workers = monitor_workers
 
 
-def ends_the_run(failure, torchrun_log):
-    """Whether a process's end leaves no restart: a mistake (its error file holds a UserError), or a stop on a signal (143)
-    that torchrun itself did not ask for: one it stops after another failed may end in 143 too (blocked in a collective
-    with the lost one, as under NCCL, by preemption's watchdog), and a restart is due all the same."""
-    stopped_to_save = failure.exitcode == STOPPED_EXIT_CODE and failure.pid not in torchrun_log.stopped_by_torchrun
-    return stopped_to_save or isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ")
+def ends_the_run(failure):
+    """Whether a process's end leaves no restart: a mistake (its error file holds a UserError), or a stop on a signal (143).
+    A process that torchrun stops after another failed does not end in 143: blocked in a collective with the lost one,
+    torchrun kills it 30 s on, before preemption's watchdog would end it (Preemption.GRACE_S)."""
+    return failure.exitcode == STOPPED_EXIT_CODE or isinstance(failure.message, str) and failure.message.startswith(f"{UserError.__name__}: ")
 
 
 EXIT_CODES_AT_SHUTDOWN = []
 A_RESTART_WAS_DUE = []  # at the newest shutdown: restarts were left, and what torchrun's monitor had found asked for one
 
 
-def remember_how_the_processes_ended(torchrun_log):
+def remember_how_the_processes_ended():
     """On a signal to stop, torchrun passes it on, waits for the processes to end and raises SignalException,
     which says nothing of how they ended; kept here: a process that exited 1 failed to save (and said why),
     unless it had failed before, when a restart was due (A_RESTART_WAS_DUE). Each restart shuts the processes
@@ -321,7 +320,7 @@ def remember_how_the_processes_ended(torchrun_log):
         handlers = getattr(agent._pcontext, "subprocess_handlers", {})
         EXIT_CODES_AT_SHUTDOWN[:] = [handler.proc.returncode for handler in handlers.values()]
         failures = getattr(agent._pcontext, "_failures", {}).values()  # found before this shutdown, where one failed first
-        A_RESTART_WAS_DUE[:] = [agent._remaining_restarts > 0 and not any(ends_the_run(failure, torchrun_log) for failure in failures)]
+        A_RESTART_WAS_DUE[:] = [agent._remaining_restarts > 0 and not any(map(ends_the_run, failures))]
 
     LocalElasticAgent._shutdown = shutdown_and_remember
 
@@ -403,8 +402,8 @@ def main():
         fail(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_timeout} is not a whole number of seconds: set it to one, such as 90, or unset it.")
     args.shutdown_timeout = int(shutdown_timeout)
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
-    no_restart_after_a_mistake(torchrun_log)
-    remember_how_the_processes_ended(torchrun_log)
+    no_restart_after_a_mistake()
+    remember_how_the_processes_ended()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if under_torchrun:  # whose rendezvous may wait long for the other machines
         torchrun_log.waiting = True

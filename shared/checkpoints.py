@@ -8,6 +8,7 @@ SHA-256 of every file, so a file damaged since is found before it is loaded.
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -15,13 +16,14 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
 from shared.errors import LOST_PEER_SIGNS, OUT_OF_MEMORY_SIGNS, UserError, first_line
-from shared.intact_checkpoints import first_intact, sha256, state_digest
 from shared.flags import OUT_OF_MEMORY_ADVICE
+from shared.intact_checkpoints import first_intact, sha256, state_digest
 from shared.metrics import read_records
 from shared.run_folder import (CHECKPOINT_FOLDER, CHECKPOINT_NAME, METRICS_FILE, STATE_FILE, checkpoint_step, checkpoints_in,
                                delete_renamed_first, model_saved_after, writes_here)
@@ -207,11 +209,15 @@ class Checkpoints:
 
 def write_through(paths):
     """Each file and folder of `paths` written from the kernel's cache to the disk (fsync): else a machine that crashes
-    within seconds of a save may come back with the checkpoint's files empty, and the ones before it pruned."""
+    within seconds of a save may come back with the checkpoint's files empty, and the ones before it pruned. A disk that
+    cannot fsync a folder (CIFS, some FUSE and 9p mounts say EINVAL) keeps what the kernel writes back, as before."""
     for path in paths:
         descriptor = os.open(path, os.O_RDONLY)
         try:
             os.fsync(descriptor)
+        except OSError as error:
+            if error.errno not in (errno.EINVAL, errno.ENOTSUP):
+                raise
         finally:
             os.close(descriptor)
 
@@ -225,8 +231,8 @@ def loading(path, accelerator, position=None):
         yield
     except (Exception, CheckpointException) as error:  # torch and safetensors raise many kinds on a damaged file
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
-        if isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):  # another process is gone, not
-            raise cause from None  # the file: errors.run_main ends this one as a lost peer's survivor, which a restart gets past
+        if torch.distributed.is_initialized() and isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):
+            raise cause from None  # another process is gone, not the file: errors.run_main ends this one as a lost peer's survivor
         advice = OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one"
         failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): {advice}."
         # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.

@@ -13,6 +13,9 @@ from shared.errors import UserError, first_line
 from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoints_in, named_checkpoint, writes_here
 
 
+NO_COPY = "'s disk has no copy of it"  # after the machine's name, in damage()'s sentence part
+
+
 def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
     newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
@@ -29,6 +32,9 @@ def first_intact(accelerator, output_dir, spec):
         reasons = [reason for _, reason in checked if reason]
         if not reasons:
             return path
+        if spec != "latest" and all(reason.endswith(NO_COPY) for reason in reasons):  # a disk per machine, intact where it is
+            raise UserError(f"Checkpoint {path} is not on every machine's disk ({reasons[0]}): copy it into the same folder there, "
+                            "or put --output_dir on a disk they all share, then launch again.", every_process=True)
         if spec != "latest":
             raise UserError(f"Checkpoint {path} is damaged ({reasons[0]}): resume from an earlier checkpoint, "
                             "or from 'latest', which skips damaged ones.", every_process=True)
@@ -49,7 +55,7 @@ def damage(folder):
         recorded = state["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
-            return f"{os.uname().nodename}'s disk has no copy of it"
+            return f"{os.uname().nodename}{NO_COPY}"
         return f"its {STATE_FILE} cannot be read: {error}"
     digest = state_digest(state)
     if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)

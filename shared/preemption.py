@@ -50,7 +50,9 @@ class Preemption:
     """With `enabled` (checkpointing on), SIGTERM and SIGUSR1 mark this process instead of ending it."""
 
     CHECK_EVERY = 10
-    GRACE_S = 30  # inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing
+    # Inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing; past the 30 s in which torchrun
+    # kills the others after one failed, so that those end killed, which a restart follows, not in 143, a stop to save.
+    GRACE_S = 35
     # The functions inside which the main thread is busy, not stuck: accelerate's and the scripts' saves and loads,
     # which may stand at one line up to BUSY_LIMIT_S (a peer lost in the middle of one leaves it there for good).
     BUSY_IN = {"save_state", "load_state", "save_model", "saving", "if_write_fails"}

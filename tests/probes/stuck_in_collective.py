@@ -8,11 +8,8 @@ one long call), then writes `saved`; with --stuck_save it stays there, as a save
 with --stuck_save_once_agreed the processes first agree on the stop (accelerator.check_trigger), as a
 training loop does, then stay in the save. With --waiting_for_data the process instead spends 6 s calling the
 same line over and over, each call 0.2 s in one C call, as a loop waiting on its DataLoader's workers does
-(a new frame each call), then writes `finished` and ends: it is making progress, not stuck. With
---rank_0_crashes_at_first_start rank 0 exits 1 once every process is in place, while rank 1 waits on, as
-one blocked in NCCL for its lost peer; restarted (under --max_restarts), both end at once."""
+(a new frame each call), then writes `finished` and ends: it is making progress, not stuck."""
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,13 +34,7 @@ def main():
     Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 3, 10  # the tests' waits; training runs keep the defaults
     preemption = Preemption(accelerator, enabled=True)
     (Path(sys.argv[1]) / f"waiting_{accelerator.process_index}").write_text(str(accelerator.num_processes))
-    if "--rank_0_crashes_at_first_start" in sys.argv:
-        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-            accelerator.wait_for_everyone()  # rank 1 is watched before torchrun stops it
-            if accelerator.is_main_process:
-                os._exit(1)  # a crash: no sentence
-            time.sleep(600)
-    elif "--stuck_save_once_agreed" in sys.argv:
+    if "--stuck_save_once_agreed" in sys.argv:
         while not preemption.stop_agreed(Preemption.CHECK_EVERY):  # a collective each time, until the signal has come
             time.sleep(0.1)
         save_state(600)
