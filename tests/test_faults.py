@@ -132,6 +132,23 @@ def test_the_launcher_names_the_lost_process_not_a_survivor_or_one_it_stopped():
     assert launch.cause_of_failure({2: failed[2]}, torchrun_log.stopped_by_torchrun) == (2, failed[2])  # nothing better to name
 
 
+def test_a_signal_that_lands_in_the_launchers_log_handler_still_reaches_torchrun(monkeypatch):
+    """torchrun raises SignalException from its handler wherever the launcher's main thread is, inside the
+    launcher's handler of torchrun's log too (torchrun logs as it stops and starts processes): there it must go
+    on to torchrun, which then stops the run and waits for its save. Before, the handler took it for a logging
+    error, printed "--- Logging error ---" with a traceback, and the signal was lost."""
+    launch = load_script_module(LAUNCH)
+    torchrun_log = launch.TorchrunLog()
+
+    def signalled(record):
+        raise launch.SignalException("Process 7 got signal: 15", signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun_log, "say", signalled)
+    with pytest.raises(launch.SignalException):
+        torchrun_log.emit(logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.INFO, __file__, 0,
+                                            "Starting worker group", None, None))
+
+
 def test_crash_while_saving_leaves_the_previous_checkpoint_as_latest(small_data, tmp_path):
     args = ["--data_dir", small_data, "--batch_size", "8", "--num_epochs", "3", "--checkpointing_steps", "20"]
     reference = tmp_path / "reference"
