@@ -16,7 +16,7 @@ training processes, which save and stop, also where accelerate runs one process 
 that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
 with checkpointing, once every process saved, or after a line saying that torchrun killed them first, or
-that they ended at once, saving nothing),
+that they ended at once, saving nothing; 0 where it came after their last check and the run finished),
 130 after Ctrl-C (in one line, also while the processes import torch: each starts through run_script.py).
 Under --max_restarts, a process that a mistake stopped ends the run: every start would meet it again.
 """

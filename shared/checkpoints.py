@@ -3,7 +3,8 @@
 save_state writes into a hidden .tmp_ folder, renamed once every process has finished, so a crash or a
 full disk never leaves a broken folder for `latest`. Its trainer_state.json records where in the epoch
 it stopped, in samples (a resume at another world size knows the next batch, or says it cannot), and the
-SHA-256 of every file, so a file damaged since is found before it is loaded.
+SHA-256 of every file, so a file damaged since is found before it is loaded (shared/intact_checkpoints.py). Its
+files and the rename are on the disk (fsync) before older checkpoints are pruned.
 """
 
 import contextlib
@@ -64,13 +65,13 @@ class Checkpoints:
     def saving(self, epoch, step, stats=None):
         """Every process must enter this around accelerator.save_state(folder), with the folder it gives; on a clean exit
         that becomes checkpoints/step_<step> (self.newest), older ones pruned. `stats` (metrics.EpochStats) marks a save
-        inside `epoch`, with its sums so far (one all-reduce). A save that fails on any process (a full disk, an I/O error)
+        inside `epoch`, with its sums so far (one all-reduce and one gather). A save that fails on any process (a full disk, an I/O error)
         stops every one with one sentence; the checkpoints before it stay complete, and `latest` still names the newest."""
         position = Position(None, epoch, 0, step, elapsed_s=time.perf_counter() - self.started)
         if stats is not None:
             position.batches_done = stats.batches
             position.epoch_totals, position.epoch_seconds = stats.snapshot()
-            position.process_totals = stats.each_process()
+            position.process_totals = stats.sums_by_process()
         name = CHECKPOINT_NAME.format(step)
         final, partial = self.folder / name, self.folder / f".tmp_{name}"
         if self.writes:

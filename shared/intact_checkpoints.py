@@ -29,7 +29,7 @@ def first_intact(accelerator, output_dir, spec):
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
         damaged_here = damage(path) if writes_here(accelerator) else None
         checked = gather_object([(writes_here(accelerator), damaged_here)])  # each disk's copy, by its machine's first process
-        reasons = [reason for _, reason in checked if reason]
+        reasons = sorted((reason for _, reason in checked if reason), key=lambda reason: reason.endswith(NO_COPY))  # damage first
         if not reasons:
             return path
         if spec != "latest" and all(reason.endswith(NO_COPY) for reason in reasons):  # a disk per machine, intact where it is

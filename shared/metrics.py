@@ -59,7 +59,7 @@ class EpochStats:
                 every_process=True)
         return (loss_sum, samples), time.perf_counter() - self.started
 
-    def each_process(self):
+    def sums_by_process(self):
         """Every process must call this (one gather): each process's loss and sample sums so far, in rank order, for a
         checkpoint: resumed at the same world size, each process goes on from its own, and the float sums at the
         epoch's end group as in a run that never stopped (from the sums over all processes they would round differently)."""

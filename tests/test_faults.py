@@ -392,11 +392,11 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
 
 def test_a_checkpoint_is_written_through_to_the_disk_before_its_rename_and_the_prune(tmp_path, monkeypatch):
     """A crash of the machine (not only of the process) within seconds of a save would otherwise find the checkpoint's
-    files still in the kernel's cache, lost, and the checkpoints before it already pruned: each file, its folder, and
-    the checkpoints folder after the rename are fsync'ed, in that order, before the prune. Here as the main process
-    of one, with the real rename; os.fsync records which path each call flushed."""
-    events = []
-    monkeypatch.setattr(os, "fsync", lambda descriptor: events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}"))))
+    files still in the kernel's cache, lost, and the checkpoints before it already pruned: each file and folder of it
+    is fsync'ed, and after the rename the checkpoints folder, before the prune. Here as the main process of one, with
+    the real rename; os.fsync records which path each call flushed."""
+    flushed = []
+    monkeypatch.setattr(os, "fsync", lambda descriptor: flushed.append(os.readlink(f"/proc/self/fd/{descriptor}")))
     main_process = SimpleNamespace(is_main_process=True, num_processes=1, gradient_accumulation_steps=1)
     saver = checkpoints.Checkpoints(main_process, tmp_path, every=4, keep=1, batch_size=8, batches_per_epoch=10, num_epochs=1)
     folder = tmp_path / "checkpoints"
@@ -405,7 +405,6 @@ def test_a_checkpoint_is_written_through_to_the_disk_before_its_rename_and_the_p
     (partial / "model.safetensors").write_bytes(b"weights")
     (partial / "random_states" / "rng_state.pkl").write_bytes(b"state")
     saver._complete(partial, folder / "step_00000004", checkpoints.Position(epoch=1, global_step=4))
-    flushed = [path for _, path in events]
     assert sorted(flushed[:-1]) == sorted(str(partial / name) for name in
                                           ["", "model.safetensors", "random_states", "random_states/rng_state.pkl", "trainer_state.json"])
     assert flushed[-1] == str(folder), "the rename, after it"
@@ -481,6 +480,11 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     assert str(refused.value) == (
         f"Checkpoint {folder / 'step_00000008'} is not on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy it "
         "into the same folder there, or put --output_dir on a disk they all share, then launch again.")
+    # Damaged on machine 0 as well: called damaged, for what is wrong with machine 0's copy.
+    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda verdicts: [(True, "model.safetensors differs from what was saved"), *verdicts])
+    with pytest.raises(errors.UserError) as refused:
+        intact_checkpoints.first_intact(machine_1, tmp_path, str(folder / "step_00000008"))
+    assert str(refused.value).startswith(f"Checkpoint {folder / 'step_00000008'} is damaged (model.safetensors differs from what was saved): ")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
@@ -769,7 +773,7 @@ def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, rank
 def test_a_process_stuck_in_a_collective_still_ends_on_sigterm(tmp_path):
     """With checkpointing on, SIGTERM only marks a stop that the processes agree on at their next
     check; a process blocked in a collective that never completes would never get there. Each ends
-    with one line soon after the signal instead (the probe waits 3 s; the scripts 30)."""
+    with one line soon after the signal instead (the probe waits 3 s; the scripts 35)."""
     seconds, returncode, stderr = signal_the_probe_in_place(tmp_path)
     assert seconds < 15 and returncode == 143, stderr
     assert stderr.count("s after a signal to stop, this process was still waiting on another") == 2, stderr

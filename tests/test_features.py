@@ -350,7 +350,6 @@ def test_a_run_killed_after_its_last_step_was_saved_but_before_its_model_resumes
     assert_same_records(read_metrics(full), read_metrics(killed), rel=1e-6)
 
 
-
 def test_a_continued_run_killed_after_its_last_record_but_before_its_model_resumes_to_save_it(data_dir, tmp_path):
     """A run of 1 epoch, continued to --num_epochs 2 from its step-30 checkpoint, saving none after: killed after its
     epoch 2 record, before its model replaced the 1-epoch one. The resume trains from step 30 again and saves the
@@ -368,6 +367,7 @@ def test_a_continued_run_killed_after_its_last_record_but_before_its_model_resum
     assert "step_00000030: epoch 1, 30 batches in, step 30." in result.stdout, result.stdout[-2000:]
     assert_same_weights(weights(continued), weights(killed))
     assert_same_records(read_metrics(continued), read_metrics(killed), rel=1e-6)
+
 
 BY_EPOCH = ["--batch_size", "50", "--max_train_steps", "100", "--checkpointing_steps", "epoch"]  # 40 steps an epoch: 40, 80, 100
 ACCUMULATED = ["--batch_size", "50", "--gradient_accumulation_steps", "2", "--max_train_steps", "50", "--checkpointing_steps", "10"]

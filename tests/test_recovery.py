@@ -25,7 +25,7 @@ from test_features import assert_same_records, assert_same_weights, weights
 PROBES = SCRIPTS.parent / "tests" / "probes"
 # 512 samples in steps of 8: 64 steps an epoch, long enough to be interrupted in the middle.
 FLAGS = ["--batch_size", "8", "--num_epochs", "8", "--log_interval", "1000"]
-GRACE_S = 30  # torchrun's wait between passing SIGTERM on and killing
+STOP_WAIT_S = 30  # how long a signalled or failed run may take to end in these tests
 
 
 def launch(*args, num_processes=2, launcher_flags=(), script=SCRIPTS / "cpu_gloo.py"):
@@ -121,7 +121,7 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     receiver = psutil.Process(job.pid) if target == "launcher" else training_process(job, 1)
     receiver.send_signal(stop_signal)
     signalled_at = time.monotonic()
-    _, stderr = finish(job, GRACE_S)
+    _, stderr = finish(job, STOP_WAIT_S)
     print(f"the job exited {time.monotonic() - signalled_at:.2f} s after the signal")
     assert job.returncode == 143, stderr
     (line,) = [line for line in stderr.splitlines() if "Stopped by a signal to stop" in line]
@@ -148,7 +148,7 @@ def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_pat
     job = start(launch(*args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"})
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
     job.send_signal(signal.SIGTERM)
-    _, stderr = finish(job, GRACE_S)
+    _, stderr = finish(job, STOP_WAIT_S)
     assert job.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
     assert error_lines(stderr) == ["error: Training stopped: torchrun killed the processes 0 s after passing the signal on, before every one "
                                    "had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
@@ -166,12 +166,13 @@ def test_a_signal_after_the_runs_last_check_lets_it_finish_and_the_launcher_exit
     job = start(launch(*args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([70], tmp_path)})
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
     job.send_signal(signal.SIGTERM)
-    stdout, stderr = finish(job, GRACE_S)
+    stdout, stderr = finish(job, STOP_WAIT_S)
     assert job.returncode == 0 and "Traceback" not in stderr and "Stopped by" not in stderr, stderr[-3000:]
     assert {path.name for path in tmp_path.glob("signalled_*")} == {"signalled_0", "signalled_1"}, "torchrun passed it on"
     assert f"Saved the trained model to {output_dir / 'model.safetensors'}" in stdout, stdout[-2000:]
     assert not checkpoints_in(output_dir / "checkpoints")
     assert_world_size(output_dir)
+
 
 def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small_data, tmp_path):
     """SIGUSR1, SLURM's warning, to the launcher and its processes, whose save then fails (a file stands where
@@ -184,7 +185,7 @@ def test_a_signal_whose_save_fails_ends_in_its_sentence_and_exit_1_not_143(small
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
     for process in (training_process(job, 0), training_process(job, 1), psutil.Process(job.pid)):  # as SLURM signals a job step
         process.send_signal(signal.SIGUSR1)
-    _, stderr = finish(job, GRACE_S)
+    _, stderr = finish(job, STOP_WAIT_S)
     assert job.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
     (line,) = [line for line in stderr.splitlines() if "error:" in line]
     assert line.startswith(f"error: Could not write {tmp_path / 'stopped' / 'checkpoints' / 'step_00000070'} (") and line.endswith(
@@ -209,7 +210,7 @@ def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
         assert "cpu_gloo.py" in " ".join(training.cmdline())
         training.send_signal(signal.SIGUSR1)
     job.send_signal(signal.SIGUSR1 if how == "slurm" else signal.SIGTERM)
-    _, stderr = finish(job, GRACE_S)
+    _, stderr = finish(job, STOP_WAIT_S)
     assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr, stderr[-2000:]
     assert latest_checkpoint(tmp_path / "stopped" / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
     assert_no_process_left(tmp_path)
@@ -230,8 +231,8 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     wait_until(epochs_done(tmp_path / "run"), job, "its first epoch")
     os.kill(job.pid, stop_signal)
     signalled_at = time.monotonic()
-    _, stderr = finish(job, GRACE_S)
-    # About 1 s here: no epoch's end or save awaited, nor torchrun's kill at GRACE_S (a loaded machine may take a few).
+    _, stderr = finish(job, STOP_WAIT_S)
+    # About 1 s here: no epoch's end or save awaited, nor torchrun's kill at STOP_WAIT_S (a loaded machine may take a few).
     assert time.monotonic() - signalled_at < 10, stderr[-2000:]
     expected = 143 if stop_signal == signal.SIGTERM else 128 + stop_signal
     assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
@@ -330,7 +331,7 @@ def test_a_signal_while_torchrun_stops_the_processes_to_restart_them_ends_in_143
     wait_until(lambda: (tmp_path / "signalled_0").exists(), job, "torchrun's SIGTERM to rank 0")
     assert survivor.is_running(), "rank 0 takes seconds to stop: it waits before it leaves a group whose peer is gone"
     job.send_signal(signal.SIGTERM)
-    _, stderr = finish(job, GRACE_S + 60)
+    _, stderr = finish(job, STOP_WAIT_S + 60)
     assert "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
     line = ("Stopped by SIGTERM while torchrun stopped the processes after one failed, to restart them: nothing trained since the "
             "newest checkpoint; resume with --resume_from_checkpoint latest if the run saved checkpoints.")
@@ -372,7 +373,7 @@ def test_under_restarts_a_signal_to_one_machines_launcher_saves_and_ends_both(si
     holder = next(job for job in jobs if any(process.environ().get("RANK") == str(signalled)
                                              for process in psutil.Process(job.pid).children(recursive=True)))
     holder.send_signal(signal.SIGTERM)
-    results = [finish(job, GRACE_S) for job in jobs]
+    results = [finish(job, STOP_WAIT_S) for job in jobs]
     for job, (_, stderr) in zip(jobs, results):
         assert job.returncode == 143 and "Traceback" not in stderr and "Restarting" not in stderr, stderr[-3000:]
     assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000070"
