@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 from shared import stop_together
 from shared.errors import UserError
@@ -63,8 +64,7 @@ class EpochStats:
         """Every process must call this (one gather): each process's loss and sample sums so far, in rank order, for a
         checkpoint: resumed at the same world size, each process goes on from its own, and the float sums at the
         epoch's end group as in a run that never stopped (from the sums over all processes they would round differently)."""
-        own = torch.tensor([[self.loss_sum.item(), self.samples]], dtype=torch.float64, device=self.loss_sum.device)
-        return tuple((loss_sum, int(samples)) for loss_sum, samples in self.accelerator.gather(own).tolist())
+        return tuple(gather_object([(self.loss_sum.item(), self.samples)]))  # Python numbers: exact, and on any device
 
     def summary(self):
         """Every process must call this (two collectives): the epoch's mean loss over every process's
