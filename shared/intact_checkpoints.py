@@ -1,6 +1,7 @@
 """Which checkpoint is intact: each file of a checkpoint folder against the SHA-256 that its trainer_state.json
 records (shared/checkpoints.py writes them), on every machine's copy where each machine has a disk."""
 
+import errno
 import hashlib
 import json
 import os
@@ -14,13 +15,15 @@ from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoints_in, nam
 
 
 NO_COPY = "'s disk has no copy of it"  # after the machine's name, in damage()'s sentence part
+UNREADABLE = "could not be read from the disk"  # permissions, or the disk failing: no damage, so nothing is set aside
 
 
 def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
     newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
     outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
-    deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead."""
+    deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead.
+    A file that is there but cannot be read (its permissions, the disk) stops the run in a sentence, setting nothing aside."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [named_checkpoint(Path(spec))])
@@ -32,6 +35,9 @@ def first_intact(accelerator, output_dir, spec):
         reasons = sorted((reason for _, reason in checked if reason), key=lambda reason: reason.endswith(NO_COPY))  # damage first
         if not reasons:
             return path
+        if unreadable := [reason for reason in reasons if UNREADABLE in reason]:  # else `latest` would skip an intact checkpoint
+            raise UserError(f"Checkpoint {path} is there but {unreadable[0]}: make its files readable to this user, or move it out "
+                            f"of {folder} to resume from the one before, then launch again.", every_process=True)
         if spec != "latest" and all(reason.endswith(NO_COPY) for reason in reasons):  # a disk per machine, intact where it is
             raise UserError(f"Checkpoint {path} is not on every machine's disk ({reasons[0]}): copy it into the same folder there, "
                             "or put --output_dir on a disk they all share, then launch again.", every_process=True)
@@ -56,6 +62,8 @@ def damage(folder):
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a state that is not a JSON object
         if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
             return f"{os.uname().nodename}{NO_COPY}"
+        if cannot_read(error):
+            return f"its {STATE_FILE} {UNREADABLE} ({first_line(error)})"
         return f"its {STATE_FILE} cannot be read: {error}"
     digest = state_digest(state)
     if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)
@@ -66,9 +74,15 @@ def damage(folder):
                 return f"{name} differs from what was saved"
         except FileNotFoundError:
             return f"{name} is missing"
-        except OSError as error:  # a file this user cannot read, a folder in its place: no traceback on one process
-            return f"{name} could not be read ({first_line(error)})"
+        except OSError as error:  # a folder in its place, say: no traceback on one process
+            return f"{name} {UNREADABLE if cannot_read(error) else 'could not be read'} ({first_line(error)})"
     return None
+
+
+def cannot_read(error):
+    """Whether an error reading a file says it is there but this process may not read it (its permissions) or the disk fails
+    to give it (EIO, NFS's ESTALE), rather than that the file is damaged."""
+    return isinstance(error, PermissionError) or getattr(error, "errno", None) in (errno.EIO, errno.ESTALE)
 
 
 def state_digest(state):

@@ -445,6 +445,30 @@ def test_a_peer_lost_while_fsdp_loads_a_checkpoint_is_no_damaged_checkpoint(tmp_
                                   "zip archive): resume from an earlier one.")
 
 
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EIO, "Input/output error")])
+def test_a_checkpoint_file_that_cannot_be_read_stops_the_resume_and_sets_nothing_aside(tmp_path, monkeypatch, error):
+    """A checkpoint whose file is there but cannot be read (its permissions, a failing disk) is not damaged: `latest`
+    stops in one sentence, and the checkpoint stays `latest`. Before, it was set aside as damaged_step_N and the run
+    went on from the one before, losing the steps between. Here as the main process of one (tests run as root, whom
+    permissions do not stop: sha256 raises the error)."""
+    folder = tmp_path / "checkpoints"
+    for step in (4, 8):
+        (folder / f"step_0000000{step}").mkdir(parents=True)
+        (folder / f"step_0000000{step}" / "model.safetensors").write_bytes(b"weights")
+        state = {"files": {"model.safetensors": intact_checkpoints.sha256(folder / f"step_0000000{step}" / "model.safetensors")}}
+        (folder / f"step_0000000{step}" / "trainer_state.json").write_text(json.dumps(state | {"sha256": intact_checkpoints.state_digest(state)}))
+    main_process = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print)
+    monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: work())
+    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda verdicts: verdicts)
+    monkeypatch.setattr(intact_checkpoints, "sha256", lambda path: (_ for _ in ()).throw(error))
+    with pytest.raises(errors.UserError) as refused:
+        intact_checkpoints.first_intact(main_process, tmp_path, "latest")
+    assert str(refused.value) == (
+        f"Checkpoint {folder / 'step_00000008'} is there but model.safetensors could not be read from the disk ({errors.first_line(error)}): make its "
+        f"files readable to this user, or move it out of {folder} to resume from the one before, then launch again.")
+    assert sorted(path.name for path in folder.iterdir()) == ["step_00000004", "step_00000008"], "nothing set aside"
+
+
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
     """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
     killed there before it completed): there `latest` skips it, renaming nothing, for the one before. Before,
