@@ -15,7 +15,7 @@ from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoints_in, nam
 
 
 NO_COPY = "'s disk has no copy of it"  # after the machine's name, in damage()'s sentence part
-UNREADABLE = "could not be read from the disk"  # permissions, or the disk failing: no damage, so nothing is set aside
+UNREADABLE = "may not be read on"  # its permissions, or a stale NFS handle: no damage, so nothing is set aside
 
 
 def first_intact(accelerator, output_dir, spec):
@@ -23,7 +23,7 @@ def first_intact(accelerator, output_dir, spec):
     newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
     outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
     deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead.
-    A file that is there but cannot be read (its permissions, the disk) stops the run in a sentence, setting nothing aside."""
+    A file that is there but may not be read (its permissions, a stale NFS handle) stops the run in a sentence, setting nothing aside."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [named_checkpoint(Path(spec))])
@@ -36,8 +36,9 @@ def first_intact(accelerator, output_dir, spec):
         if not reasons:
             return path
         if unreadable := [reason for reason in reasons if UNREADABLE in reason]:  # else `latest` would skip an intact checkpoint
-            raise UserError(f"Checkpoint {path} is there but {unreadable[0]}: make its files readable to this user, or move it out "
-                            f"of {folder} to resume from the one before, then launch again.", every_process=True)
+            instead = f"move it out of {folder} to resume from the one before" if spec == "latest" else "resume from another checkpoint"
+            raise UserError(f"Checkpoint {path} is there but {unreadable[0]}: make its files readable there (their permissions; a stale "
+                            f"NFS mount: mount it again), or {instead}, then launch again.", every_process=True)
         if spec != "latest" and all(reason.endswith(NO_COPY) for reason in reasons):  # a disk per machine, intact where it is
             raise UserError(f"Checkpoint {path} is not on every machine's disk ({reasons[0]}): copy it into the same folder there, "
                             "or put --output_dir on a disk they all share, then launch again.", every_process=True)
@@ -63,7 +64,7 @@ def damage(folder):
         if isinstance(error, FileNotFoundError) and not os.path.lexists(folder):  # a disk per machine, this one without it
             return f"{os.uname().nodename}{NO_COPY}"
         if cannot_read(error):
-            return f"its {STATE_FILE} {UNREADABLE} ({first_line(error)})"
+            return f"its {STATE_FILE} {UNREADABLE} {os.uname().nodename} ({first_line(error)})"
         return f"its {STATE_FILE} cannot be read: {error}"
     digest = state_digest(state)
     if state.get("sha256", digest) != digest:  # edited or damaged since (none recorded before 2026-11-27)
@@ -75,14 +76,15 @@ def damage(folder):
         except FileNotFoundError:
             return f"{name} is missing"
         except OSError as error:  # a folder in its place, say: no traceback on one process
-            return f"{name} {UNREADABLE if cannot_read(error) else 'could not be read'} ({first_line(error)})"
+            where = f"{UNREADABLE} {os.uname().nodename}" if cannot_read(error) else "could not be read"
+            return f"{name} {where} ({first_line(error)})"
     return None
 
 
 def cannot_read(error):
-    """Whether an error reading a file says it is there but this process may not read it (its permissions) or the disk fails
-    to give it (EIO, NFS's ESTALE), rather than that the file is damaged."""
-    return isinstance(error, PermissionError) or getattr(error, "errno", None) in (errno.EIO, errno.ESTALE)
+    """Whether an error reading a file says it is there but this process may not read it now (its permissions, NFS's stale
+    handle), rather than that the file is damaged. A disk that fails to read it (EIO) has damaged it: `latest` skips it."""
+    return isinstance(error, PermissionError) or getattr(error, "errno", None) == errno.ESTALE
 
 
 def state_digest(state):

@@ -445,12 +445,14 @@ def test_a_peer_lost_while_fsdp_loads_a_checkpoint_is_no_damaged_checkpoint(tmp_
                                   "zip archive): resume from an earlier one.")
 
 
-@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EIO, "Input/output error")])
-def test_a_checkpoint_file_that_cannot_be_read_stops_the_resume_and_sets_nothing_aside(tmp_path, monkeypatch, error):
-    """A checkpoint whose file is there but cannot be read (its permissions, a failing disk) is not damaged: `latest`
-    stops in one sentence, and the checkpoint stays `latest`. Before, it was set aside as damaged_step_N and the run
-    went on from the one before, losing the steps between. Here as the main process of one (tests run as root, whom
-    permissions do not stop: sha256 raises the error)."""
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.ESTALE, "Stale file handle"),
+                                   OSError(errno.EIO, "Input/output error")])
+def test_a_checkpoint_file_that_may_not_be_read_stops_the_resume_and_sets_nothing_aside(tmp_path, monkeypatch, capsys, error):
+    """A checkpoint whose file is there but may not be read now (its permissions, a stale NFS handle) is not damaged:
+    `latest` stops in one sentence naming the machine, and the checkpoint stays `latest`; named outright, the advice is
+    another checkpoint. Before, `latest` set it aside as damaged_step_N and went on from the one before, losing the steps
+    between. A disk that fails to read a file (EIO) has damaged it: skipped, as before. Here as the main process of one
+    (tests run as root, whom permissions do not stop: sha256 raises the error)."""
     folder = tmp_path / "checkpoints"
     for step in (4, 8):
         (folder / f"step_0000000{step}").mkdir(parents=True)
@@ -460,13 +462,21 @@ def test_a_checkpoint_file_that_cannot_be_read_stops_the_resume_and_sets_nothing
     main_process = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print)
     monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: work())
     monkeypatch.setattr(intact_checkpoints, "gather_object", lambda verdicts: verdicts)
-    monkeypatch.setattr(intact_checkpoints, "sha256", lambda path: (_ for _ in ()).throw(error))
-    with pytest.raises(errors.UserError) as refused:
-        intact_checkpoints.first_intact(main_process, tmp_path, "latest")
-    assert str(refused.value) == (
-        f"Checkpoint {folder / 'step_00000008'} is there but model.safetensors could not be read from the disk ({errors.first_line(error)}): make its "
-        f"files readable to this user, or move it out of {folder} to resume from the one before, then launch again.")
-    assert sorted(path.name for path in folder.iterdir()) == ["step_00000004", "step_00000008"], "nothing set aside"
+    newest = folder / "step_00000008"
+    hashed = intact_checkpoints.sha256
+    monkeypatch.setattr(intact_checkpoints, "sha256", lambda path: (_ for _ in ()).throw(error) if newest in path.parents else hashed(path))
+    if error.errno == errno.EIO:
+        assert intact_checkpoints.first_intact(main_process, tmp_path, "latest") == folder / "step_00000004"
+        assert f"Skipping damaged checkpoint {newest} (model.safetensors could not be read (" in capsys.readouterr().out
+        assert sorted(path.name for path in folder.iterdir()) == ["damaged_step_00000008", "step_00000004"]
+        return
+    for spec, instead in (("latest", f"move it out of {folder} to resume from the one before"), (str(newest), "resume from another checkpoint")):
+        with pytest.raises(errors.UserError) as refused:
+            intact_checkpoints.first_intact(main_process, tmp_path, spec)
+        assert str(refused.value) == (
+            f"Checkpoint {newest} is there but model.safetensors may not be read on {os.uname().nodename} ({errors.first_line(error)}): make "
+            f"its files readable there (their permissions; a stale NFS mount: mount it again), or {instead}, then launch again.")
+        assert sorted(path.name for path in folder.iterdir()) == ["step_00000004", "step_00000008"], "nothing set aside"
 
 
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
