@@ -488,15 +488,16 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
             f"error: Checkpoint {named} could not be read ([Errno 13] Permission denied: '{denied}'): give yourself "
             "read access to it, or copy it to a folder you can read."]
         assert not (tmp_path / "mine").exists()
-    weights = checkpoint / "model.safetensors"  # a file of it this user cannot read: before, a traceback on rank 0
+    weights = checkpoint / "model.safetensors"  # a file of it this user cannot read: before, a traceback on rank 0, then "damaged"
     weights.chmod(0o000)
     try:
         result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--resume_from_checkpoint", checkpoint, output=tmp_path / "mine"), cwd=tmp_path, check=False)
     finally:
         weights.chmod(0o644)
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        f"error: Checkpoint {checkpoint} is damaged (model.safetensors could not be read ([Errno 13] Permission denied: '{weights}')): "
-        "resume from an earlier checkpoint, or from 'latest', which skips damaged ones."], result.stderr[-3000:]
+        f"error: Checkpoint {checkpoint} is there but model.safetensors may not be read on {os.uname().nodename} ([Errno 13] Permission "
+        f"denied: '{weights}'): make its files readable there (their permissions; a stale NFS mount: mount it again), or resume from "
+        "another checkpoint, then launch again."], result.stderr[-3000:]
     assert not (tmp_path / "mine").exists()
 
 
