@@ -436,7 +436,7 @@ def main():
             end_while_waiting(error.sigval)
         if torchrun_log.stopping_after_a_failure and A_RESTART_WAS_DUE == [True]:  # the failed one's exit 1 is no failed save
             end_while_waiting(error.sigval, "torchrun stopped the processes after one failed, to restart them")
-        if EXIT_CODES_AT_SHUTDOWN and set(EXIT_CODES_AT_SHUTDOWN) == {0}:  # the signal came after the last check: the run finished
+        if set(EXIT_CODES_AT_SHUTDOWN) == {0}:  # the signal came after the last check: the run finished
             sys.exit(0)
         if 1 in EXIT_CODES_AT_SHUTDOWN:  # a save after the signal failed: no checkpoint to resume from, which 143 would promise
             sys.exit(1)

@@ -28,10 +28,11 @@ def first_intact(accelerator, output_dir, spec):
     names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
                                           if spec == "latest" else [named_checkpoint(Path(spec))])
     intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
+    writes = writes_here(accelerator)  # this process checks its disk's copy
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
-        damaged_here = damage(path) if writes_here(accelerator) else None
-        checked = gather_object([(writes_here(accelerator), damaged_here)])  # each disk's copy, by its machine's first process
+        damaged_here = damage(path) if writes else None
+        checked = gather_object([(writes, damaged_here)])  # each disk's copy, by its machine's first process
         reasons = sorted((reason for _, reason in checked if reason), key=lambda reason: reason.endswith(NO_COPY))  # damage first
         if not reasons:
             return path
@@ -48,7 +49,7 @@ def first_intact(accelerator, output_dir, spec):
         accelerator.print(f"Skipping damaged checkpoint {path} ({reasons[0]}); trying the one before it.")
         if damaged_here and os.path.exists(path) and not os.path.exists(path.with_name(f"damaged_{path.name}")):  # else none here
             path.rename(path.with_name(f"damaged_{path.name}"))  # this machine's copy; another's may be intact
-        intact_elsewhere += [reasons[0]] if any(writes and not reason for writes, reason in checked) else []
+        intact_elsewhere += [reasons[0]] if any(checker and not reason for checker, reason in checked) else []
     if intact_elsewhere:  # not "no checkpoint": training from the start, or over the run, would lose the intact copies
         raise UserError(f"No checkpoint in {folder} is intact on every machine's disk ({intact_elsewhere[0]}): copy a machine's intact "
                         "ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.", every_process=True)

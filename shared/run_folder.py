@@ -45,8 +45,9 @@ def model_saved_after(output_dir, checkpoint):
     """Whether output_dir's model.safetensors was saved after `checkpoint` (a folder; None: at all) and after the run's
     last record, which a run writes before its model: the end of the run that went on from that checkpoint, not the end
     of an earlier run it continues, nor one that a run continuing it recorded its last epoch over, killed before its save."""
-    model, earlier = Path(output_dir) / MODEL_FILE, [Path(output_dir) / METRICS_FILE, *([Path(checkpoint) / STATE_FILE] if checkpoint else [])]
-    return model.exists() and all(model.stat().st_mtime >= path.stat().st_mtime for path in earlier if path.exists())
+    model = Path(output_dir) / MODEL_FILE
+    written_before = [Path(output_dir) / METRICS_FILE] + ([Path(checkpoint) / STATE_FILE] if checkpoint else [])
+    return model.exists() and all(model.stat().st_mtime >= path.stat().st_mtime for path in written_before if path.exists())
 
 
 def resumes_here(spec, output_dir):
