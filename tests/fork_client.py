@@ -12,6 +12,7 @@ killed by the same signal). If it is killed itself, the server kills the fork.
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -45,42 +46,56 @@ def is_open(fd):
         return False
 
 
+def read_line(connection, data, wakeup=None, pid=None):
+    """The next line the server sends (None if it closed first), and what came after it. With `wakeup`,
+    each signal this process got meanwhile (Python's C-level handler writes its number there at once, even
+    one that lands just before a blocking call) is passed on to the fork `pid`."""
+    while b"\n" not in data:
+        if wakeup is not None:
+            ready, _, _ = select.select([connection, wakeup], [], [])
+            if wakeup in ready:
+                for signum in os.read(wakeup, 512):
+                    if signum in FORWARDED:
+                        try:
+                            os.kill(pid, signum)
+                        except ProcessLookupError:
+                            pass
+            if connection not in ready:
+                continue
+        chunk = connection.recv(4096)
+        if not chunk:
+            return None, b""
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return line, rest
+
+
 def main():
     python, argv = sys.argv[1], sys.argv[2:]
-    fork, pending = [], []
-
-    def forward(signum, frame):
-        if not fork:
-            pending.append(signum)
-            return
-        try:
-            os.kill(fork[0], signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
+    wakeup, wakeup_writer = os.pipe()  # close-on-exec, as every file Python opens
+    os.set_blocking(wakeup_writer, False)
+    signal.set_wakeup_fd(wakeup_writer)
+    for signum in FORWARDED:  # caught, so that they do not end this process; passed on by read_line
+        signal.signal(signum, lambda *_: None)
     try:
         # Passed on, and kept open here until the end: a parent may watch one for the end of the process it
-        # started (multiprocessing's spawn watches a pipe's end so).
-        fds = inherited_fds()
+        # started (multiprocessing's spawn watches a pipe's end so). Not the wakeup pipe, this process's own.
+        fds = [fd for fd in inherited_fds() if fd not in (wakeup, wakeup_writer)]
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(server_socket(os.environ["FORK_SERVER_DIR"], os.environ))
         request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
         socket.send_fds(connection, [struct.pack("!I", len(request))], fds)
         connection.sendall(request)
-        replies = connection.makefile("rb")
-        reply = json.loads(replies.readline() or b'{"new_interpreter": true}')
+        line, rest = read_line(connection, b"")
+        reply = json.loads(line) if line is not None else {"new_interpreter": True}
     except (OSError, KeyError):  # no server for this environment
         reply = {"new_interpreter": True}
-    if reply.get("new_interpreter"):  # exec sets the forwarding handlers back to the default
+    if reply.get("new_interpreter"):  # exec sets the handlers back to the default, and closes the wakeup pipe
         os.execv(python, [python, *argv])
-    fork.append(reply["pid"])
-    for signum in pending:
-        forward(signum, None)
-    line = replies.readline()
-    if not line:  # the server was stopped (at the end of the tests) before the fork ended
-        sys.exit(f"fork_client.py: the fork server stopped before its fork ({fork[0]}) of {argv} ended")
+    pid = reply["pid"]
+    line, _ = read_line(connection, rest, wakeup, pid)  # signals that came before the pid was known wait in the pipe
+    if line is None:  # the server was stopped (at the end of the tests) before the fork ended
+        sys.exit(f"fork_client.py: the fork server stopped before its fork ({pid}) of {argv} ended")
     end = json.loads(line)
     if end["exit_code"] < 0:  # killed by a signal: end the same way
         signum = -end["exit_code"]

@@ -84,8 +84,9 @@ def test_a_process_that_multiprocessing_spawns_is_a_fork_that_has_the_files_it_w
 def test_a_signal_to_a_forks_stand_in_reaches_the_fork_and_killing_the_stand_in_kills_the_fork(tmp_path):
     """What a launcher sees of the process it started: the fork client, which passes signals on and ends as the fork ended."""
     probe = tmp_path / "wait.py"
+    # Short sleeps: a signal that lands just before a sleep's system call starts is handled at its end.
     probe.write_text("import os, signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *_: sys.exit(7))\n"
-                     "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
+                     "print(os.getpid(), flush=True)\nfor _ in range(600):\n    time.sleep(0.1)\n")
     for stop, exit_code in ((signal.SIGUSR1, 7), (signal.SIGKILL, -signal.SIGKILL)):
         client = subprocess.Popen([forks["PYTHON_EXEC"], "-u", probe], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, text=True)
         fork = psutil.Process(int(client.stdout.readline()))
