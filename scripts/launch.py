@@ -402,6 +402,9 @@ def main():
         fail(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_timeout} is not a whole number of seconds: set it to one, such as 90, or unset it.")
     args.shutdown_timeout = int(shutdown_timeout)
     accelerate_launch.simple_launcher = one_process_launcher  # launch_command looks it up when it runs
+    # With --debug, and rich installed and ACCELERATE_ENABLE_RICH=1, accelerate prints torchrun's exception and swallows it:
+    # a failed or stopped run would exit 0, which a cluster takes for finished. It reaches the handlers below instead.
+    accelerate_launch.is_rich_available = lambda: False
     no_restart_after_a_mistake()
     remember_how_the_processes_ended()
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -101,8 +101,6 @@ def main(argv=None):
     # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
     agreement.check(accelerator, vars(args))
     flags.check_precision(accelerator)  # every process: fp16 on the CPU would quietly train in fp32
-    # --batch_size samples per step, split across the processes: any world size trains the same model.
-    batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
     # shared), then the rest read the files, downloading nothing. A failure stops every process with its sentence.
     with accelerator.main_process_first(), accelerator.local_main_process_first(), stop_together.FailureCaught() as loading:
@@ -111,6 +109,9 @@ def main(argv=None):
                                               pipeline=args.data_pipeline, normalize=NORMALIZE)
     loading.raise_everywhere()  # every process
     agreement.check_data(accelerator, train_set, test_set)  # every process: each machine's copy of the data is the same
+    # --batch_size samples per step, split across the processes: any world size trains the same model.
+    batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only,
+                                             num_samples=len(train_set))
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
@@ -147,7 +148,8 @@ def main(argv=None):
 
     log = metrics.MetricsLog(output_dir, accelerator)
     saved = checkpoints.Checkpoints(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
-                                    batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=args.num_epochs)
+                                    batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=args.num_epochs,
+                                    trained_on=checkpoints.trained_on(args.seed, train_set, test_set))
     # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops (shared/preemption.py).
     preemption = Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet
@@ -201,8 +203,9 @@ def main(argv=None):
                 profiler.step()  # --profile: one more step of its window
                 if accelerator.sync_gradients:  # an optimizer step happened
                     step += 1
-                    # Every process; at the last of --max_train_steps the run finishes instead (its model, not a checkpoint).
-                    stopping = preemption.stop_agreed(step) and step != args.max_train_steps
+                    # Every process, every 10 steps and at the epoch's last (before its evaluation); at the last of
+                    # --max_train_steps the run finishes instead (its model, not a checkpoint).
+                    stopping = preemption.stop_agreed(step, epoch_ends=stats.batches == len(train_loader)) and step != args.max_train_steps
                     if stopping or saved.due(step):
                         with saved.saving(epoch, step, stats) as folder:  # every process; renamed once complete
                             accelerator.save_state(folder)

@@ -10,6 +10,7 @@ files and the rename are on the disk (fsync) before older checkpoints are pruned
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -46,11 +47,13 @@ class Position:
 
 class Checkpoints:
     """The checkpoints of the run in output_dir: --checkpointing_steps (`every`: N optimizer steps or
-    'epoch'), --keep_last_checkpoints (`keep`), --num_epochs; `batch_size` and `batches_per_epoch` are each process's."""
+    'epoch'), --keep_last_checkpoints (`keep`), --num_epochs; `batch_size` and `batches_per_epoch` are each process's;
+    `trained_on` (see trained_on()) what a resume must train on as the checkpoint did."""
 
-    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs):
+    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs, trained_on=None):
         self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
         self.every, self.keep, self.num_epochs, self.batch_size, self.batches_per_epoch = every, keep, num_epochs, batch_size, batches_per_epoch
+        self.trained_on = trained_on
         self.started = time.perf_counter()
         self.newest = None  # the last checkpoint this run saved
         self.writes = writes_here(accelerator)
@@ -104,7 +107,7 @@ class Checkpoints:
             "world_size": self.accelerator.num_processes, "batch_size": self.batch_size,
             "samples_done": position.batches_done * self.accelerator.num_processes * self.batch_size,
             "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
-            "batches_per_epoch": self.batches_per_epoch, "files": files}
+            "batches_per_epoch": self.batches_per_epoch, "trained_on": self.trained_on, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}, indent=1))
         write_through([*partial.rglob("*"), partial])
         if final.exists():  # renamed, not deleted in place: a kill midway leaves no half of it for `latest` (branch_at removes it)
@@ -135,6 +138,7 @@ class Checkpoints:
             return Position()
         state = json.loads((path / STATE_FILE).read_text())
         stop_together.on_main_process(self.accelerator, lambda: self._check_not_finished(path, state, max_train_steps))
+        self._check_trained_on(path, state.get("trained_on"))  # not recorded before 2026-11-27
         position = Position(path, state["epoch"], self._batches_to_skip(path, state, split_batches), state["global_step"],
                             tuple(state["epoch_totals"]), state["epoch_seconds"], state["elapsed_s"],
                             tuple(map(tuple, state.get("process_totals", ()))))  # not recorded before 2026-11-27
@@ -184,6 +188,18 @@ class Checkpoints:
             raise UserError(f"The checkpoint to resume has trained into epoch {trained_into}, past the --num_epochs {self.num_epochs} "
                             f"asked for now: pass --num_epochs {trained_into} or more, or resume from an earlier checkpoint.")
 
+    def _check_trained_on(self, path, recorded):
+        """Every process, on the same state: a resume goes on with the seed and data the checkpoint trained with, or stops."""
+        if not recorded or not self.trained_on or recorded == self.trained_on:
+            return
+        if recorded["seed"] != self.trained_on["seed"]:
+            raise UserError(f"Checkpoint {path} was trained with --seed {recorded['seed']}, not {self.trained_on['seed']}: resume it with "
+                            f"--seed {recorded['seed']} (each epoch's shuffle order follows it), or start a new run in another --output_dir.",
+                            every_process=True)
+        name = next(name for name in recorded if recorded[name] != self.trained_on.get(name))
+        raise UserError(f"Checkpoint {path} was trained on a {name} of {recorded[name]}, but this run's has {self.trained_on.get(name)}: "
+                        "pass the --data_dir (or --dataset_name) it trained on, or start a new run in another --output_dir.", every_process=True)
+
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
         number of processes, so the position in samples carries over when it falls on a step boundary
@@ -206,6 +222,17 @@ class Checkpoints:
                 f"number of this run's steps of {global_batch} samples: resume with {same_steps}, "
                 "or from an epoch checkpoint.", every_process=True)
         return state["samples_done"] // batch
+
+
+def trained_on(seed, train_set, test_set):
+    """Checkpoints' `trained_on`: --seed and each data set's size and labels (their SHA-256, the same for either
+    --data_pipeline). A resume with another seed or data set would go on over other samples, or in another order."""
+    description = {"seed": seed}
+    for name, dataset in (("training set", train_set), ("test set", test_set)):
+        labels = dataset.tensors[1] if hasattr(dataset, "tensors") else dataset.targets  # TensorDataset, or torchvision's
+        digest = hashlib.sha256(torch.as_tensor(labels).long().numpy().tobytes()).hexdigest()[:12]
+        description[name] = f"{len(dataset)} samples (labels SHA-256 {digest})"
+    return description
 
 
 def write_through(paths):
@@ -234,7 +261,8 @@ def loading(path, accelerator, position=None):
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
         if torch.distributed.is_initialized() and isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):
             raise cause from None  # another process is gone, not the file: errors.run_main ends this one as a lost peer's survivor
-        advice = OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one"
+        advice = ("resume it with the script whose model it holds, or pass a checkpoint of this script's" if "loading state_dict" in str(cause)
+                  else OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one")
         failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): {advice}."
         # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.
         if accelerator.distributed_type == DistributedType.FSDP and cause is error:

@@ -35,9 +35,12 @@ megabytes = _number(float, "a number", lambda value: 0 < value <= 2**20, "above 
 seed = _number(int, "a whole number", lambda value: 0 <= value < 2**32, f"from 0 to {2**32 - 1}, the seeds numpy takes")
 
 
+steps = _number(int, "'epoch' or a whole number of steps", lambda value: value >= 1, "at least 1")
+
+
 def checkpointing_steps(text):
     """'epoch', or a whole number of optimizer steps."""
-    return text if text == "epoch" else positive_int(text)
+    return text if text == "epoch" else steps(text)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -118,12 +121,15 @@ def training_parser(description, *, output_dir, hub_name):
     return parser
 
 
-def batch_size_per_process(batch_size, num_processes, split):
+def batch_size_per_process(batch_size, num_processes, split, num_samples):
     """Each process's training batch: --batch_size split evenly across the processes, or all of it with
     --no_split_batches. (accelerate's split_batches=True splits every prepared loader, the evaluation
     batch of 1,000 too, which 3 processes cannot split, and does not reach the in-memory loader.)"""
     if not split:
         return batch_size
+    if batch_size > num_samples:  # a step would repeat samples to fill its batch, a different share at each world size
+        raise UserError(f"--batch_size {batch_size} is more than the {num_samples} samples of the training set, so each step would "
+                        f"repeat some of them, differently at each number of processes: pass at most {num_samples}.", every_process=True)
     if batch_size % num_processes:
         raise UserError(
             f"--batch_size {batch_size} does not split evenly across {num_processes} processes: pass a multiple of "

@@ -69,10 +69,11 @@ class Preemption:
         self.signalled = True  # only a flag: the handler runs at any line, and set_trigger's tensor (a copy to the GPU) could
         # land inside a CUDA graph's capture, or wait on a stream that a lost peer hangs
 
-    def stop_agreed(self, step):
-        """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY
-        steps it is a collective, accelerator.check_trigger()."""
-        if not self.enabled or step % self.CHECK_EVERY:
+    def stop_agreed(self, step, epoch_ends=False):
+        """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY steps, and
+        at the epoch's last (`epoch_ends`: before its evaluation, which could outlast the launcher's wait), it is a
+        collective, accelerator.check_trigger()."""
+        if not self.enabled or (step % self.CHECK_EVERY and not epoch_ends):
             return False
         if self.signalled:
             self.accelerator.set_trigger()

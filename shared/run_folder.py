@@ -74,7 +74,8 @@ def named_checkpoint(path):
             raise UserError(f"{path} holds checkpoints but is not one: pass one of its step_N folders, or 'latest' with its run's --output_dir.")
         if not (path / STATE_FILE).exists() and any((path / name).exists() for name in (METRICS_FILE, MODEL_FILE)):
             raise UserError(f"{path} is a run's folder, which saved no checkpoint: "
-                            + (f"evaluate its {MODEL_FILE} with --eval_only, or " if (path / MODEL_FILE).exists() else "")
+                            + (f"evaluate its model with --eval_only --resume_from_checkpoint {path / MODEL_FILE}, or "
+                               if (path / MODEL_FILE).exists() else "")
                             + "train it again with --overwrite_output_dir and --checkpointing_steps, to resume next time.")
         json.loads((path / STATE_FILE).read_text())
     except PermissionError as error:  # another user's folder, which this one may see but not enter

@@ -57,7 +57,7 @@ def test_every_script_with_its_defaults_splits_its_batch_under_every_profile():
         defaults = load_script_module(SCRIPTS / script).parse_args([])
         for count in counts:
             split = getattr(defaults, "split_batches", True)  # toy_mlp.py always splits
-            assert batch_size_per_process(defaults.batch_size, count, split=split) * count == defaults.batch_size
+            assert batch_size_per_process(defaults.batch_size, count, split=split, num_samples=60000) * count == defaults.batch_size
 
 
 def test_toy_mlp_with_its_defaults_trains_as_eight_processes(tmp_path):
@@ -168,3 +168,22 @@ def test_more_processes_on_a_machine_than_its_gpus_stop_every_process_with_one_s
     monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # --num_processes 1, as the sentence advises
     assert devices.cpu_only() is False
+
+
+def test_accelerates_debug_with_rich_still_ends_a_failed_run_in_a_failure(tmp_path):
+    """accelerate's --debug, where rich is installed and ACCELERATE_ENABLE_RICH=1, printed torchrun's exception through rich
+    and swallowed it: the launcher exited 0 after a failed run. A stand-in rich (its package metadata, and a console
+    that prints nothing) makes accelerate take that path; the test is of what the launcher does with it."""
+    site = tmp_path / "site"
+    (site / "rich").mkdir(parents=True)
+    (site / "rich" / "__init__.py").write_text("class Console:\n    def print(self, *args, **kwargs):\n        pass\n\n"
+                                             "    print_exception = print\n\n\ndef get_console():\n    return Console()\n")
+    (site / "rich" / "logging.py").write_text("import logging\nRichHandler = logging.StreamHandler\n")
+    (site / "rich" / "traceback.py").write_text("def install(**kwargs):\n    pass\n")
+    (site / "rich-13.0.0.dist-info").mkdir()
+    (site / "rich-13.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: rich\nVersion: 13.0.0\n")
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--debug", tmp_path / "fails.py"]
+    env = {**script_env(), "PYTHONPATH": f"{site}:{REPO}", "ACCELERATE_ENABLE_RICH": "1"}
+    result = run(command, cwd=tmp_path, env=env, check=False, new_interpreter=True)
+    assert result.returncode == 1 and "rank 0 exited with code 3" in result.stderr, result.stderr[-3000:]

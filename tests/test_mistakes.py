@@ -55,6 +55,7 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "preempted", root / "edited_records")  # its first record valid JSON, edited: no step, which a resume reads
     edited = {key: value for key, value in json.loads(records[0]).items() if key != "step"}
     (root / "edited_records" / "metrics.jsonl").write_text(json.dumps(edited) + "\n" + "".join(records[1:]))
+    write_small_mnist(root / "other_data", "MNIST", num_train=192, num_test=64)  # another data set, for a resume that must refuse it
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
@@ -143,7 +144,7 @@ MISTAKES = {
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
         "--batch_size 64 does not split evenly across 3 processes: pass a multiple of 3, or --no_split_batches"),
     "checkpointing_steps that is no number": (lambda p: cpu_gloo(p, "--checkpointing_steps", "often"),
-                                              "argument --checkpointing_steps: must be a whole number, got 'often'"),
+                                              "argument --checkpointing_steps: must be 'epoch' or a whole number of steps, got 'often'"),
     "data folder without the files, offline": (lambda p: python_command("cpu_gloo.py", "--data_dir", p / "empty", "--output_dir", p / "fresh" / "run"),
                                                "empty/MNIST/raw and could not be downloaded"),
     "offline, the way to real digits without a network": (
@@ -190,6 +191,21 @@ MISTAKES = {
             p, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", checkpoint_of(p, "preempted"),
             "--with_tracking", "--report_to", "mlflow", output="preempted")],
         "--report_to mlflow could not start its tracker ([Errno 2] No such file or directory: '/proc/nope'): fix what it names"),
+    # A resume goes on with the seed and the data its checkpoint trained with: else over other samples, or in another order.
+    "a resume with another seed": (
+        lambda p: cpu_gloo(p, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", checkpoint_of(p, "preempted"),
+                           "--seed", "7", output="preempted"),
+        "was trained with --seed 42, not 7: resume it with --seed 42"),
+    "a resume on another data set": (
+        lambda p: cpu_gloo(p, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", checkpoint_of(p, "preempted"),
+                           "--data_dir", p / "other_data", output="preempted"),
+        "was trained on a training set of 256 samples (labels SHA-256 "),
+    "another script's checkpoint": (
+        lambda p: python_command("mnist_conv.py", "--data_dir", p / "data", "--output_dir", p / "fresh", "--resume_from_checkpoint",
+                                 checkpoint_of(p, "earlier")),
+        "resume it with the script whose model it holds, or pass a checkpoint of this script's"),
+    "a batch larger than the training set": (lambda p: cpu_gloo(p, "--batch_size", "512"),
+                                             "--batch_size 512 is more than the 256 samples of the training set"),
     "report_to without with_tracking": (lambda p: cpu_gloo(p, "--report_to", "mlflow"), "argument --report_to does nothing without --with_tracking"),
     "keep_last_checkpoints without checkpointing_steps": (lambda p: cpu_gloo(p, "--keep_last_checkpoints", "2"),
                                                           "argument --keep_last_checkpoints does nothing without --checkpointing_steps"),
@@ -202,7 +218,8 @@ MISTAKES = {
         lambda p: cpu_gloo(p, "--overwrite_output_dir", "--gradient_accumulation_steps", "100", output="earlier"),
         "--gradient_accumulation_steps 100 is more than the 4 batches"),
     "a run's folder without checkpoints to resume": (lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "no_checkpoints"),
-                                                      "no_checkpoints is a run's folder, which saved no checkpoint: evaluate its model.safetensors"),
+                                                      "no_checkpoints is a run's folder, which saved no checkpoint: evaluate its model with "
+                                                      "--eval_only --resume_from_checkpoint "),
     # Set aside, the run is put back where a check after that refuses this one: a checkpoint to resume (a run's folder here).
     "another run's folder to resume, overwriting a run": (
         lambda p: cpu_gloo(p, "--resume_from_checkpoint", p / "preempted", "--overwrite_output_dir", output="earlier"),

@@ -140,6 +140,29 @@ def test_a_signal_to_stop_saves_then_exits_and_the_resume_is_bitwise(target, sto
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
 
 
+def test_a_signal_late_in_an_epoch_stops_it_before_its_evaluation_and_the_resume_is_bitwise(small_data, reference, tmp_path):
+    """A signal after the epoch's last check every 10 steps (step 60 of its 64): the processes check again at its last
+    step, save there and stop, before the epoch's evaluation, which a larger test set could make outlast torchrun's wait.
+    Before, they evaluated, recorded the epoch and trained on to step 70. The resumed run evaluates the epoch first."""
+    args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
+    stopped = tmp_path / "stopped"
+    # Rank 1 waits after step 60, before its check; rank 0 waits for it inside the check's all-reduce, past its look at its
+    # own mark, when the signal comes: the check at step 60 finds no mark, and the next is the epoch's last step.
+    job = start(launch("--output_dir", stopped, *args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([60], tmp_path, [1])})
+    wait_until(lambda: all_paused(tmp_path, [1], 60), job, "rank 1's pause after step 60")
+    time.sleep(0.5)  # rank 0, past step 60's gradient all-reduce with rank 1, was milliseconds from the check's
+    training_process(job, 0).send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # delivered: its handler runs once the all-reduce returns
+    (tmp_path / "go").touch()
+    _, stderr = finish(job, STOP_WAIT_S)
+    assert job.returncode == 143, stderr[-3000:]
+    assert latest_checkpoint(stopped / "checkpoints").name == "step_00000064" and not read_metrics(stopped), stderr[-3000:]
+    resumed = run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+    assert ": epoch 1, 64 batches in, step 64." in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_weights(weights(reference), weights(stopped))
+    assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
+
+
 def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_path):
     """TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0: torchrun kills the processes at once after passing SIGTERM on, before
     any saves. The launcher says so and still exits 143 (a cluster requeues the job, to resume from the newest

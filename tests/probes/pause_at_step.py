@@ -34,7 +34,7 @@ def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
     original_mark(self, signum, frame)
 
 
-def stop_agreed(self, step):
+def stop_agreed(self, step, epoch_ends=False):
     rank = os.environ.get("RANK", "0")
     marker = FOLDER / f"paused_{rank}_at_{step}"
     if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
@@ -44,7 +44,7 @@ def stop_agreed(self, step):
                 crash.unlink()  # once
                 os._exit(1)
             time.sleep(0.01)
-    return original_stop_agreed(self, step)
+    return original_stop_agreed(self, step, epoch_ends)
 
 
 Preemption._mark, Preemption.stop_agreed = mark, stop_agreed
