@@ -91,8 +91,9 @@ class Checkpoints:
                 if self.writes:
                     self._complete(partial, final, position)
             self.newest = final
-            if self.writes and self.keep:
-                self._prune()
+            if self.writes and self.keep:  # all but the newest `keep` go; one that cannot stays with a warning, and the run goes on
+                for old in checkpoints_in(self.folder)[:-self.keep]:
+                    delete_renamed_first(old, old.with_name(f".pruned_{old.name}"), "the old checkpoint")
             self.accelerator.wait_for_everyone()  # the others wait here, inside the save, while old checkpoints go
         except UserError:
             if self.writes:
@@ -115,13 +116,6 @@ class Checkpoints:
         partial.rename(final)
         write_through([final.parent])  # the rename too, before older checkpoints are pruned
         shutil.rmtree(final.with_name(f".pruned_{final.name}"), ignore_errors=True)
-
-    def _prune(self):
-        """All but the newest `keep` checkpoints go, each first renamed so that one half-deleted is no
-        checkpoint. One that cannot be deleted (another user's files, NFS's open .nfs files) stays with a
-        warning: the checkpoint just saved is complete whatever happens here, and the run goes on."""
-        for old in checkpoints_in(self.folder)[:-self.keep]:
-            delete_renamed_first(old, old.with_name(f".pruned_{old.name}"), "the old checkpoint")
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a

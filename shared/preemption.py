@@ -91,7 +91,8 @@ class Preemption:
             frame = sys._current_frames().get(main)
             # The frame itself, not its line: a loop that waits on its data calls the same line anew (a new frame) many times a second.
             here = (frame, frame.f_lasti) if frame else None  # kept, so no later frame can take its place in memory
-            limit = self.BUSY_LIMIT_S if self._busy(frame) else self.GRACE_S
+            busy = frame is not None and any(each.f_code.co_name in self.BUSY_IN for each, _ in traceback.walk_stack(frame))
+            limit = self.BUSY_LIMIT_S if busy else self.GRACE_S
             if here != where:  # the main thread moved on
                 where, since = here, time.monotonic()
             elif time.monotonic() - since > limit:
@@ -100,9 +101,6 @@ class Preemption:
                       "'latest'.", file=sys.stderr, flush=True)
                 exit_now(exit_code)
             time.sleep(0.5)
-
-    def _busy(self, frame):
-        return frame is not None and any(each.f_code.co_name in self.BUSY_IN for each, _ in traceback.walk_stack(frame))
 
 
 def ignore_stop_signals(worker_id):
