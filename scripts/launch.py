@@ -15,7 +15,7 @@ are left out; a process killed from outside gets one line saying which rank stop
 training processes, which save and stop, also where accelerate runs one process without torchrun; one
 that comes while the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
-with checkpointing, once every process saved, or after a line saying that torchrun killed them first, or
+with checkpointing, once every process saved, or after a line saying that the launcher killed them first, or
 that they ended at once, saving nothing; 0 where it came after their last check and the run finished),
 130 after Ctrl-C (in one line, also while the processes import torch: each starts through run_script.py).
 Under --max_restarts, a process that a mistake stopped ends the run: every start would meet it again.
@@ -195,20 +195,29 @@ def one_process_launcher(args):
     on to it, which saves (with checkpointing) and stops; SIGHUP (a lost terminal or SSH session) and
     SIGQUIT too, which end it as they would have without a session of its own, and as torchrun passes them
     on. accelerate's own handles none: SIGTERM ended the launcher at once, leaving the process orphaned,
-    to train on or be killed before it could save."""
+    to train on or be killed before it could save. As torchrun, it kills the process (its session) once
+    args.shutdown_timeout has passed since the first signal, so that a save that hangs still ends the job."""
     command, env = prepare_simple_launcher_cmd_env(args)
     process = subprocess.Popen(command, env=env, start_new_session=True)
-    passed_on = []
+    passed_on, first_at = [], []
 
     def pass_on(signum, frame):
         passed_on.append(signum)
+        first_at[:] = first_at or [time.monotonic()]
         process.send_signal(signum)  # nothing, once the process has ended
 
     for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # torchrun's, below
         signal.signal(stop_signal, pass_on)
-    process.wait()
-    # Stopped by the signal, or after the save it asked for: the launcher exits as under torchrun.
-    if passed_on and process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE):
+    killed = False
+    while process.poll() is None:
+        try:
+            process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            if first_at and time.monotonic() - first_at[0] > args.shutdown_timeout:
+                os.killpg(process.pid, signal.SIGKILL)
+                killed = True
+    # Stopped by the signal, after the save it asked for, or killed after the wait: the launcher exits as under torchrun.
+    if passed_on and (killed or process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE)):
         EXIT_CODES_AT_SHUTDOWN[:] = [process.returncode]
         raise SignalException(f"the process stopped on signal {passed_on[-1]}", signal.Signals(passed_on[-1]))
     if process.returncode:
@@ -448,9 +457,9 @@ def main():
             # On a line of its own: a process that died of the signal may have left its progress bar's line open.
             print(f"\nStopped by {error.sigval.name}: the training processes ended at once, without saving a checkpoint (they save one only "
                   f"on SIGTERM or SIGUSR1, with --checkpointing_steps, once training has started). {RESUME_IF_SAVED}", file=sys.stderr, flush=True)
-        # torchrun's wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
+        # The wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
         if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
-            print(f"error: Training stopped: torchrun killed the processes {args.shutdown_timeout} s after passing the signal on, before every "
+            print(f"error: Training stopped: the launcher killed the processes {args.shutdown_timeout} s after passing the signal on, before every "
                   "one had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
                   file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)

@@ -173,11 +173,30 @@ def test_a_signal_whose_save_outlasts_torchruns_wait_says_so(small_data, tmp_pat
     job.send_signal(signal.SIGTERM)
     _, stderr = finish(job, STOP_WAIT_S)
     assert job.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
-    assert error_lines(stderr) == ["error: Training stopped: torchrun killed the processes 0 s after passing the signal on, before every one "
+    assert error_lines(stderr) == ["error: Training stopped: the launcher killed the processes 0 s after passing the signal on, before every one "
                                    "had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
                                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT."], stderr[-3000:]
     assert not checkpoints_in(tmp_path / "stopped" / "checkpoints")
     assert_world_size(tmp_path / "stopped")
+
+
+def test_the_one_process_launcher_kills_a_process_that_outlasts_its_wait_after_a_signal(tmp_path):
+    """accelerate's one-process launch (1gpu.yaml) has no torchrun to kill a process whose save hangs after the signal:
+    the launcher waited for it forever, and the job ended only at the cluster's time limit, never requeued. It now
+    kills it TORCH_ELASTIC_SHUTDOWN_TIMEOUT after passing the signal on, as torchrun does, says so and exits 143."""
+    probe = tmp_path / "hangs.py"
+    probe.write_text("import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+                     "pathlib.Path(sys.argv[1]).touch()\nwhile True:\n    time.sleep(0.1)\n")
+    job = start([sys.executable, SCRIPTS / "launch.py", "--cpu", "--num_processes", 1, probe, tmp_path / "ready"], tmp_path,
+                env={**script_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
+    wait_until(lambda: (tmp_path / "ready").exists(), job, "the probe's start")
+    job.send_signal(signal.SIGTERM)
+    signalled_at = time.monotonic()
+    _, stderr = finish(job, STOP_WAIT_S)
+    assert job.returncode == 143 and time.monotonic() - signalled_at < 15, stderr[-3000:]
+    assert error_lines(stderr) == ["error: Training stopped: the launcher killed the processes 2 s after passing the signal on, before every one "
+                                   "had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise "
+                                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT."], stderr[-3000:]
 
 
 def test_a_signal_after_the_runs_last_check_lets_it_finish_and_the_launcher_exits_0(small_data, tmp_path):

@@ -178,7 +178,7 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     ended it with exit 130), and no run's watchdog thread is left waiting (each run left one). A run that runs
     out of memory (CUDA's error, raised by its backward here) ends in that sentence too (until 2026-11-27, a traceback),
     and removes none of what the kernel's earlier runs made (before, another live run's lock file in their folder); a
-    signal to stop (SIGUSR1, sent at its fifth step) saves and ends the cell in one line (before, a traceback)."""
+    signal to stop (SIGUSR1, sent at its fifth step) saves at the epoch's last, its eighth, and ends the cell in one line (before, a traceback)."""
     import nbformat
 
     def cell(*flags):
@@ -242,7 +242,7 @@ torch.optim.SGD.step = step_then_signal
     assert not (tmp_path / "out_of_memory").exists(), "a failed run removes the folder it made"
     assert "another run's lock kept: True" in notebook.cells[4].outputs[-1].text
     assert [line for line in said[5].splitlines() if "Stopped" in line or "error" in line] == [
-        f"Stopped by a signal to stop: saved {tmp_path / 'stopped' / 'checkpoints' / 'step_00000010'} after step 10; continue with "
+        f"Stopped by a signal to stop: saved {tmp_path / 'stopped' / 'checkpoints' / 'step_00000008'} after step 8; continue with "
         "--resume_from_checkpoint latest."], said[5]
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
