@@ -13,7 +13,7 @@ printed its one-sentence error, so torchrun's report and traceback and the proce
 are left out; a process killed from outside gets one line saying which rank stopped, and with
 --max_restarts each restart gets one line. SIGTERM and SIGUSR1 (a cluster's warning) reach the
 training processes, which save and stop, also where accelerate runs one process without torchrun; one
-that comes while the launch waits for the other machines ends it at once.
+that comes while the launcher starts or the launch waits for the other machines ends it at once.
 Exits 1 on failure (a save after a signal to stop too), 143 after a signal to stop (SIGTERM or SIGUSR1:
 with checkpointing, once every process saved, or after a line saying that the launcher killed them first, or
 that they ended at once, saving nothing; 0 where it came after their last check and the run finished),
@@ -34,8 +34,21 @@ import threading
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C in the 2 s of imports and checks below: 130 and one line, not a traceback (main() gives it back)
-    signal.signal(signal.SIGINT, lambda *_: (print("Stopped by Ctrl-C.", file=sys.stderr, flush=True), os._exit(130)))
+
+def stopped_while_starting(signum, frame):
+    """A signal in the 2 s of imports and checks below: one line and its code, not a traceback (Ctrl-C) nor the death
+    by SIGUSR1 (exit 138, which SLURM's batch script does not requeue). main() gives each signal its handler."""
+    if signum == signal.SIGINT:
+        print("Stopped by Ctrl-C.", file=sys.stderr, flush=True)
+        os._exit(130)
+    print(f"Stopped by {signal.Signals(signum).name} while the launcher started: nothing trained; resume with "
+          "--resume_from_checkpoint latest if the run saved checkpoints.", file=sys.stderr, flush=True)
+    os._exit(143)
+
+
+if __name__ == "__main__":
+    for early_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(early_signal, stopped_while_starting)
 
 # torch's C++ log, whose level is read as torch loads: the launcher's says nothing its one sentence does not
 # (a rendezvous that cannot connect logs a C++ stack for each try). A level you set wins; main() sets the

@@ -356,16 +356,21 @@ def test_ctrl_c_stops_every_process_with_one_line(num_processes, data_dir, tmp_p
     assert not processes_naming(tmp_path), "every process of the launch ended"
 
 
-def test_ctrl_c_while_the_launcher_starts_ends_it_in_130_without_a_traceback(tmp_path):
-    """Ctrl-C a second into scripts/launch.py, while it imports torch and accelerate (about 2 s) or checks the
-    profile and the flags: before, a KeyboardInterrupt's traceback of 60 lines."""
+@pytest.mark.parametrize("stop_signal, exit_code, line", [
+    (signal.SIGINT, 130, "Stopped by Ctrl-C."),
+    (signal.SIGUSR1, 143, "Stopped by SIGUSR1 while the launcher started: nothing trained; resume with --resume_from_checkpoint latest "
+                          "if the run saved checkpoints.")])
+def test_a_signal_while_the_launcher_starts_ends_it_in_one_line(stop_signal, exit_code, line, tmp_path):
+    """Ctrl-C, or SLURM's SIGUSR1, a second into scripts/launch.py, while it imports torch and accelerate (about 2 s) or
+    checks the profile and the flags: before, a KeyboardInterrupt's traceback of 60 lines, and a death by SIGUSR1 (138),
+    on which the SLURM batch script does not requeue the job; 143 now, on which it does."""
     job = subprocess.Popen([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
                             SCRIPTS / "toy_mlp.py", "--output_dir", tmp_path / "run"], cwd=tmp_path, env=script_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1)
-    job.send_signal(signal.SIGINT)
+    job.send_signal(stop_signal)
     _, stderr = job.communicate(timeout=60)
-    assert job.returncode == 130 and stderr.splitlines() == ["Stopped by Ctrl-C."], (job.returncode, stderr[-3000:])
+    assert job.returncode == exit_code and stderr.splitlines() == [line], (job.returncode, stderr[-3000:])
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
