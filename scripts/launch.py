@@ -227,8 +227,11 @@ def one_process_launcher(args):
             process.wait(timeout=1)
         except subprocess.TimeoutExpired:
             if first_at and time.monotonic() - first_at[0] > args.shutdown_timeout:
-                os.killpg(process.pid, signal.SIGKILL)
-                killed = True
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    killed = True
+                except ProcessLookupError:  # reaped meanwhile, by a later signal's handler
+                    pass
     # Stopped by the signal, after the save it asked for, or killed after the wait: the launcher exits as under torchrun.
     if passed_on and (killed or process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE)):
         EXIT_CODES_AT_SHUTDOWN[:] = [process.returncode]

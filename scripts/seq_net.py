@@ -101,6 +101,8 @@ def main(argv=None):
     # Every process: the same flags, code, packages and launch profile everywhere, or all stop naming the difference.
     agreement.check(accelerator, vars(args))
     flags.check_precision(accelerator)  # every process: fp16 on the CPU would quietly train in fp32
+    # --batch_size samples per step, split across the processes: any world size trains the same model.
+    batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only)
     # The main process downloads first, then each other machine's first (its own copy, if its disk is not
     # shared), then the rest read the files, downloading nothing. A failure stops every process with its sentence.
     with accelerator.main_process_first(), accelerator.local_main_process_first(), stop_together.FailureCaught() as loading:
@@ -109,9 +111,6 @@ def main(argv=None):
                                               pipeline=args.data_pipeline, normalize=NORMALIZE)
     loading.raise_everywhere()  # every process
     agreement.check_data(accelerator, train_set, test_set)  # every process: each machine's copy of the data is the same
-    # --batch_size samples per step, split across the processes: any world size trains the same model.
-    batch_size = flags.batch_size_per_process(args.batch_size, accelerator.num_processes, split=args.split_batches and not args.eval_only,
-                                             num_samples=len(train_set))
     # --data_pipeline memory: batches sliced from the decoded set on the device; torchvision: the tutorials' DataLoader.
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
@@ -127,6 +126,7 @@ def main(argv=None):
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, test_loader, scheduler)
     if not args.eval_only:  # which takes no step
         flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+        flags.check_batch_fits(args.batch_size, len(train_set), split=args.split_batches)
     # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check that
     # could stop the run before it trains but those of a resume and a tracker, does --overwrite_output_dir set it aside.
     output_dir, shared_disk = run_folder.prepare(accelerator, args.output_dir, overwrite=args.overwrite_output_dir,
@@ -149,7 +149,7 @@ def main(argv=None):
     log = metrics.MetricsLog(output_dir, accelerator)
     saved = checkpoints.Checkpoints(accelerator, output_dir, every=args.checkpointing_steps, keep=args.keep_last_checkpoints,
                                     batch_size=batch_size, batches_per_epoch=len(train_loader), num_epochs=args.num_epochs,
-                                    trained_on=checkpoints.trained_on(args.seed, train_set, test_set))
+                                    trained_on=checkpoints.trained_on(DATA_SET, args.seed, train_set, test_set))
     # With checkpoints, SIGTERM or SIGUSR1 to any process saves one, then stops (shared/preemption.py).
     preemption = Preemption(accelerator, enabled=bool(args.checkpointing_steps))
     start = checkpoints.Position()  # a new run: epoch 1, nothing trained yet

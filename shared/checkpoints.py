@@ -183,16 +183,20 @@ class Checkpoints:
                             f"asked for now: pass --num_epochs {trained_into} or more, or resume from an earlier checkpoint.")
 
     def _check_trained_on(self, path, recorded):
-        """Every process, on the same state: a resume goes on with the seed and data the checkpoint trained with, or stops."""
-        if not recorded or not self.trained_on or recorded == self.trained_on:
-            return
-        if recorded["seed"] != self.trained_on["seed"]:
+        """Every process, on the same state: a resume goes on with the data set, seed and data the checkpoint trained with, or stops."""
+        differing = [name for name in recorded or {} if self.trained_on and recorded[name] != self.trained_on.get(name)]
+        if "data set" in differing:  # another script's, as seq_net.py's FashionMNIST to an MNIST script
+            raise UserError(f"Checkpoint {path} was trained on {recorded['data set']}, not on this script's {self.trained_on['data set']}: "
+                            "resume it with the script that trained it, or pass a checkpoint of this script's.", every_process=True)
+        if "seed" in differing:
             raise UserError(f"Checkpoint {path} was trained with --seed {recorded['seed']}, not {self.trained_on['seed']}: resume it with "
                             f"--seed {recorded['seed']} (each epoch's shuffle order follows it), or start a new run in another --output_dir.",
                             every_process=True)
-        name = next(name for name in recorded if recorded[name] != self.trained_on.get(name))
-        raise UserError(f"Checkpoint {path} was trained on a {name} of {recorded[name]}, but this run's has {self.trained_on.get(name)}: "
-                        "pass the --data_dir (or --dataset_name) it trained on, or start a new run in another --output_dir.", every_process=True)
+        if differing:
+            name = differing[0]
+            raise UserError(f"Checkpoint {path} was trained on a {name} of {recorded[name]}, but this run's has {self.trained_on.get(name)}: "
+                            "pass the --data_dir (or --dataset_source and --dataset_name) it trained on, or start a new run in another "
+                            "--output_dir.", every_process=True)
 
     def _batches_to_skip(self, path, state, split_batches):
         """Batches per process to skip in the resumed epoch; the shuffle order does not depend on the
@@ -218,14 +222,14 @@ class Checkpoints:
         return state["samples_done"] // batch
 
 
-def trained_on(seed, train_set, test_set):
-    """Checkpoints' `trained_on`: --seed and each data set's size and labels (their SHA-256, the same for either
-    --data_pipeline). A resume with another seed or data set would go on over other samples, or in another order."""
-    description = {"seed": seed}
+def trained_on(data_set, seed, train_set, test_set):
+    """Checkpoints' `trained_on`: the script's data set, --seed, and each set's size and labels (their SHA-256, the same
+    for either --data_pipeline). A resume with another seed or data would go on over other samples, or in another order."""
+    description = {"data set": data_set, "seed": seed}
     for name, dataset in (("training set", train_set), ("test set", test_set)):
-        labels = dataset.tensors[1] if hasattr(dataset, "tensors") else dataset.targets  # TensorDataset, or torchvision's
-        digest = hashlib.sha256(torch.as_tensor(labels).long().numpy().tobytes()).hexdigest()[:12]
-        description[name] = f"{len(dataset)} samples (labels SHA-256 {digest})"
+        labels = dataset.tensors[1] if hasattr(dataset, "tensors") else getattr(dataset, "targets", None)  # or torchvision's
+        digest = "" if labels is None else hashlib.sha256(torch.as_tensor(labels).long().numpy().tobytes()).hexdigest()[:12]
+        description[name] = f"{len(dataset)} samples" + (f" (labels SHA-256 {digest})" if digest else "")  # a data set of yours: its size
     return description
 
 
@@ -255,7 +259,8 @@ def loading(path, accelerator, position=None):
         cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
         if torch.distributed.is_initialized() and isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):
             raise cause from None  # another process is gone, not the file: errors.run_main ends this one as a lost peer's survivor
-        advice = ("resume it with the script whose model it holds, or pass a checkpoint of this script's" if "loading state_dict" in str(cause)
+        another_model = any(sign in str(cause) for sign in ("loading state_dict", "Missing key in checkpoint state_dict"))  # FSDP's
+        advice = ("resume it with the script whose model it holds, or pass a checkpoint of this script's" if another_model
                   else OUT_OF_MEMORY_ADVICE if any(sign in str(cause) for sign in OUT_OF_MEMORY_SIGNS) else "resume from an earlier one")
         failure = f"Checkpoint {path} could not be loaded ({first_line(cause)}): {advice}."
         # FSDP's load has collectives around torch's, which fails on every process together: one failing alone stops alone.

@@ -121,15 +121,12 @@ def training_parser(description, *, output_dir, hub_name):
     return parser
 
 
-def batch_size_per_process(batch_size, num_processes, split, num_samples):
+def batch_size_per_process(batch_size, num_processes, split):
     """Each process's training batch: --batch_size split evenly across the processes, or all of it with
     --no_split_batches. (accelerate's split_batches=True splits every prepared loader, the evaluation
     batch of 1,000 too, which 3 processes cannot split, and does not reach the in-memory loader.)"""
     if not split:
         return batch_size
-    if batch_size > num_samples:  # a step would repeat samples to fill its batch, a different share at each world size
-        raise UserError(f"--batch_size {batch_size} is more than the {num_samples} samples of the training set, so each step would "
-                        f"repeat some of them, differently at each number of processes: pass at most {num_samples}.", every_process=True)
     if batch_size % num_processes:
         raise UserError(
             f"--batch_size {batch_size} does not split evenly across {num_processes} processes: pass a multiple of "
@@ -143,6 +140,14 @@ def check_precision(accelerator):
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError("Mixed precision fp16 (--mixed_precision, or the launch profile's) runs only on a GPU; on the CPU accelerate "
                         "would train in fp32 all the same: pass --mixed_precision bf16, which the CPU runs, or no.", every_process=True)
+
+
+def check_batch_fits(batch_size, num_samples, split):
+    """Stop when --batch_size (split across the processes) is more than the training set: with several processes
+    the prepared loader repeats samples to fill a step, a different share at each number of processes."""
+    if split and batch_size > num_samples:
+        raise UserError(f"--batch_size {batch_size} is more than the {num_samples} samples of the training set: pass at most "
+                        f"{num_samples}, so that every number of processes takes the same steps.", every_process=True)
 
 
 def check_accumulation(accumulation_steps, batches_per_epoch):

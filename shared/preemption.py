@@ -1,7 +1,7 @@
 """Save, then stop, when a cluster warns that the job is about to be killed.
 
 SIGTERM (Kubernetes, `scancel`, and torchrun passing on its own) and SIGUSR1 (SLURM's `--signal`)
-mark the process that receives them; every CHECK_EVERY optimizer steps a marked process sets
+mark the process that receives them; every CHECK_EVERY optimizer steps (and at each epoch's last) a marked process sets
 accelerate's trigger (accelerator.set_trigger) and all processes learn in one all-reduce
 (accelerator.check_trigger) whether any was signalled, so they save and stop after the same step. A check every step costs as much as a
 second all-reduce (+30% of cpu_gloo.py's 2-process step); every 10 steps it is within noise

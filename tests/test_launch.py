@@ -57,7 +57,7 @@ def test_every_script_with_its_defaults_splits_its_batch_under_every_profile():
         defaults = load_script_module(SCRIPTS / script).parse_args([])
         for count in counts:
             split = getattr(defaults, "split_batches", True)  # toy_mlp.py always splits
-            assert batch_size_per_process(defaults.batch_size, count, split=split, num_samples=60000) * count == defaults.batch_size
+            assert batch_size_per_process(defaults.batch_size, count, split=split) * count == defaults.batch_size
 
 
 def test_toy_mlp_with_its_defaults_trains_as_eight_processes(tmp_path):

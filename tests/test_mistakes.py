@@ -31,6 +31,7 @@ def place(tmp_path_factory, fork_servers):
     """A working folder with data, earlier runs, and the broken things users point the scripts at."""
     root = tmp_path_factory.mktemp("mistakes")
     write_small_mnist(root / "data", "MNIST", num_train=256, num_test=64)
+    write_small_mnist(root / "data", "FashionMNIST", num_train=256, num_test=64)  # for seq_net.py
     common = ["--data_dir", root / "data", "--num_epochs", "2"]
     run(python_command("cpu_gloo.py", "--output_dir", root / "earlier", *common, "--checkpointing_steps", "epoch"), cwd=root)
     run(python_command("cpu_gloo.py", "--output_dir", root / "no_checkpoints", *common), cwd=root)
@@ -55,7 +56,7 @@ def place(tmp_path_factory, fork_servers):
     shutil.copytree(root / "preempted", root / "edited_records")  # its first record valid JSON, edited: no step, which a resume reads
     edited = {key: value for key, value in json.loads(records[0]).items() if key != "step"}
     (root / "edited_records" / "metrics.jsonl").write_text(json.dumps(edited) + "\n" + "".join(records[1:]))
-    write_small_mnist(root / "other_data", "MNIST", num_train=192, num_test=64)  # another data set, for a resume that must refuse it
+    write_small_mnist(root / "other_data", "MNIST", num_train=256, num_test=64, seed=7)  # other digits, for a resume that must refuse them
     shutil.copytree(root / "data", root / "truncated")
     images = root / "truncated" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:4000])
@@ -200,12 +201,16 @@ MISTAKES = {
         lambda p: cpu_gloo(p, "--num_epochs", "2", "--checkpointing_steps", "epoch", "--resume_from_checkpoint", checkpoint_of(p, "preempted"),
                            "--data_dir", p / "other_data", output="preempted"),
         "was trained on a training set of 256 samples (labels SHA-256 "),
+    "another script's checkpoint, of another data set": (
+        lambda p: python_command("seq_net.py", "--data_dir", p / "data", "--output_dir", p / "fresh", "--resume_from_checkpoint",
+                                 checkpoint_of(p, "earlier")),
+        "was trained on MNIST, not on this script's FashionMNIST: resume it with the script that trained it"),
     "another script's checkpoint": (
         lambda p: python_command("mnist_conv.py", "--data_dir", p / "data", "--output_dir", p / "fresh", "--resume_from_checkpoint",
                                  checkpoint_of(p, "earlier")),
         "resume it with the script whose model it holds, or pass a checkpoint of this script's"),
     "a batch larger than the training set": (lambda p: cpu_gloo(p, "--batch_size", "512"),
-                                             "--batch_size 512 is more than the 256 samples of the training set"),
+                                             "--batch_size 512 is more than the 256 samples of the training set: pass at most 256"),
     "report_to without with_tracking": (lambda p: cpu_gloo(p, "--report_to", "mlflow"), "argument --report_to does nothing without --with_tracking"),
     "keep_last_checkpoints without checkpointing_steps": (lambda p: cpu_gloo(p, "--keep_last_checkpoints", "2"),
                                                           "argument --keep_last_checkpoints does nothing without --checkpointing_steps"),

@@ -1,6 +1,7 @@
 """Runs the training script PAUSE_SCRIPT, paused after each optimizer step in PAUSE_AT_STEP (comma-separated)
 on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
-appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Pausing, each writes
+appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Each writes
+PAUSE_DIR/checking_<rank>_at_<step> as it comes to the step's check for a signal; pausing, each writes
 PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds its file there already (restarted, it passes
 the step again) goes on; a signal to stop writes PAUSE_DIR/signalled_<rank>. A test that acts on a run (a
 signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that acts
@@ -36,6 +37,8 @@ def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
 
 def stop_agreed(self, step, epoch_ends=False):
     rank = os.environ.get("RANK", "0")
+    if step in AT_STEPS:  # a rank that does not pause is then microseconds from the check's collective
+        (FOLDER / f"checking_{rank}_at_{step}").touch()
     marker = FOLDER / f"paused_{rank}_at_{step}"
     if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
         marker.touch()
