@@ -228,7 +228,7 @@ def trained_on(data_set, seed, train_set, test_set):
     description = {"data set": data_set, "seed": seed}
     for name, dataset in (("training set", train_set), ("test set", test_set)):
         labels = dataset.tensors[1] if hasattr(dataset, "tensors") else getattr(dataset, "targets", None)  # or torchvision's
-        digest = "" if labels is None else hashlib.sha256(torch.as_tensor(labels).long().numpy().tobytes()).hexdigest()[:12]
+        digest = "" if labels is None else hashlib.sha256(torch.as_tensor(labels).long().cpu().numpy().tobytes()).hexdigest()[:12]
         description[name] = f"{len(dataset)} samples" + (f" (labels SHA-256 {digest})" if digest else "")  # a data set of yours: its size
     return description
 
