@@ -33,14 +33,12 @@ accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy
 learning_rate = _number(float, "a number", lambda value: 0 < value <= 3.4e38, "above 0 and at most 3.4e38, float32's largest")
 megabytes = _number(float, "a number", lambda value: 0 < value <= 2**20, "above 0 and at most a terabyte (1048576)")
 seed = _number(int, "a whole number", lambda value: 0 <= value < 2**32, f"from 0 to {2**32 - 1}, the seeds numpy takes")
-
-
-steps = _number(int, "'epoch' or a whole number of steps", lambda value: value >= 1, "at least 1")
+every_n_steps = _number(int, "'epoch' or a whole number of steps", lambda value: value >= 1, "at least 1")
 
 
 def checkpointing_steps(text):
     """'epoch', or a whole number of optimizer steps."""
-    return text if text == "epoch" else steps(text)
+    return text if text == "epoch" else every_n_steps(text)
 
 
 class OneLineParser(argparse.ArgumentParser):
