@@ -50,7 +50,7 @@ class Checkpoints:
     'epoch'), --keep_last_checkpoints (`keep`), --num_epochs; `batch_size` and `batches_per_epoch` are each process's;
     `trained_on` (see trained_on()) what a resume must train on as the checkpoint did."""
 
-    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs, trained_on=None):
+    def __init__(self, accelerator, output_dir, *, every, keep, batch_size, batches_per_epoch, num_epochs, trained_on):
         self.accelerator, self.output_dir, self.folder = accelerator, Path(output_dir), Path(output_dir) / CHECKPOINT_FOLDER
         self.every, self.keep, self.num_epochs, self.batch_size, self.batches_per_epoch = every, keep, num_epochs, batch_size, batches_per_epoch
         self.trained_on = trained_on
@@ -184,7 +184,7 @@ class Checkpoints:
 
     def _check_trained_on(self, path, recorded):
         """Every process, on the same state: a resume goes on with the data set, seed and data the checkpoint trained with, or stops."""
-        differing = [name for name in recorded or {} if self.trained_on and recorded[name] != self.trained_on.get(name)]
+        differing = [name for name in recorded or {} if recorded[name] != self.trained_on.get(name)]
         if "data set" in differing:  # another script's, as seq_net.py's FashionMNIST to an MNIST script
             raise UserError(f"Checkpoint {path} was trained on {recorded['data set']}, not on this script's {self.trained_on['data set']}: "
                             "resume it with the script that trained it, or pass a checkpoint of this script's.", every_process=True)

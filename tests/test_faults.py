@@ -398,7 +398,8 @@ def test_a_checkpoint_is_written_through_to_the_disk_before_its_rename_and_the_p
     flushed = []
     monkeypatch.setattr(os, "fsync", lambda descriptor: flushed.append(os.readlink(f"/proc/self/fd/{descriptor}")))
     main_process = SimpleNamespace(is_main_process=True, num_processes=1, gradient_accumulation_steps=1)
-    saver = checkpoints.Checkpoints(main_process, tmp_path, every=4, keep=1, batch_size=8, batches_per_epoch=10, num_epochs=1)
+    saver = checkpoints.Checkpoints(main_process, tmp_path, every=4, keep=1, batch_size=8, batches_per_epoch=10, num_epochs=1,
+                                    trained_on={"data set": "MNIST", "seed": 42})
     folder = tmp_path / "checkpoints"
     partial = folder / ".tmp_step_00000004"
     (partial / "random_states").mkdir(parents=True)
