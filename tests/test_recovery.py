@@ -159,6 +159,7 @@ def test_a_signal_late_in_an_epoch_stops_it_before_its_evaluation_and_the_resume
     assert latest_checkpoint(stopped / "checkpoints").name == "step_00000064" and not read_metrics(stopped), stderr[-3000:]
     resumed = run(launch("--output_dir", stopped, *args, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert ": epoch 1, 64 batches in, step 64." in resumed.stdout, resumed.stdout[-2000:]
+    assert_world_size(stopped)
     assert_same_weights(weights(reference), weights(stopped))
     assert_same_records(read_metrics(reference), read_metrics(stopped), rel=1e-6)
 
