@@ -8,6 +8,7 @@ import json
 import shutil
 import sqlite3
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -242,6 +243,9 @@ def test_a_resumed_run_logs_each_epoch_once_to_tensorboard(small_data, tmp_path)
 
     flags = ["--with_tracking", "--checkpointing_steps", "epoch", "--batch_size", "64"]
     run_dir, _ = train("cpu_gloo.py", tmp_path, "run", "--num_epochs", "2", *flags, data_dir=small_data)
+    # TensorBoard reads a folder's event files in name order: the second each run started its tracker, then
+    # its pid. Two runs in one second (the test's forked runs are that fast) could read in either order.
+    time.sleep(1 - time.time() % 1)
     train("cpu_gloo.py", tmp_path, "run", "--num_epochs", "3", *flags, "--resume_from_checkpoint",
           run_dir / "checkpoints" / "step_00000008", data_dir=small_data)  # 8 steps an epoch: after epoch 1
     events = EventAccumulator(str(next((run_dir / "tensorboard").iterdir()))).Reload()
