@@ -6,6 +6,7 @@ On 4 GPUs:                    accelerate launch --config_file accelerate_configs
 """
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -55,7 +56,11 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=flags.positive_float, default=0.7, help="learning-rate factor applied after each epoch")
     parser.add_argument("--channels_last", action="store_true",
                         help="keep the conv activations in NHWC order, which the GPU's fastest bf16 and fp16 convolutions use")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.channels_last and os.environ.get("ACCELERATE_USE_FSDP") == "true":  # set by accelerate launch for fsdp.yaml
+        raise errors.UserError("--channels_last does not work under FSDP (fsdp.yaml), which shards only contiguous weights, "
+                               "and NHWC ones are not: leave it out, or launch with a DDP profile.", every_process=True)
+    return args
 
 
 def keep_batchnorm_in_float32_under_fsdp(accelerator, model):

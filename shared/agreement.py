@@ -75,7 +75,7 @@ def check_data(accelerator, train_set, test_set):
     for name, dataset in (("training set", train_set), ("test set", test_set)):
         digest = hashlib.sha256()
         for tensor in dataset.tensors if hasattr(dataset, "tensors") else (dataset.data, dataset.targets):
-            digest.update(torch.as_tensor(tensor).contiguous().numpy())
+            digest.update(torch.as_tensor(tensor).cpu().contiguous().numpy())  # a data set of yours may live on the GPU
         data[name] = f"the {name} has {len(dataset)} samples with SHA-256 {digest.hexdigest()[:12]}"
     stop_at_a_difference({"data": data})
 

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import SCALER_NAME, DistributedType
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
@@ -252,6 +252,9 @@ def write_through(paths):
 def loading(path, accelerator, position=None):
     """Every process must enter this, around accelerator.load_state(path): a file that fails to load on any
     process stops every one in one sentence, said once per machine; a resume (`position`) that loads says where it continues."""
+    if accelerator.scaler is not None and not (Path(path) / SCALER_NAME).exists():  # fp16's GradScaler: load_state would read it
+        raise UserError(f"Checkpoint {path} holds no loss scale for --mixed_precision fp16 (its run trained without fp16): load it "
+                        "with the --mixed_precision it trained with.", every_process=True)
     failure = None
     try:
         yield

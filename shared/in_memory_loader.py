@@ -30,10 +30,14 @@ class InMemoryLoader(DataLoaderStateMixin):
             home = torch.device("cpu")
         self.inputs, self.labels, self.batch_size, self.seed = inputs.to(home), labels.to(home), batch_size, seed
         self.accelerator, self.skip_batches, self.epoch = accelerator, 0, 0
-        # DataLoaderStateMixin: tells accelerator.accumulate when the epoch ends, so that a last
-        # partial accumulation window still ends in an optimizer step.
-        self.gradient_state = GradientState()
-        self._drop_last = True
+        # DataLoaderStateMixin: tells accelerator.accumulate when the epoch ends, so that a last partial accumulation
+        # window still ends in an optimizer step, and gather_for_metrics how much of the last batch is not top-up
+        # (begin() reads the data set's length and total_batch_size where the loader does not drop the last batch).
+        self.gradient_state, self._drop_last, self.dataset = GradientState(), False, dataset
+
+    @property
+    def total_batch_size(self):
+        return self.batch_size * self.accelerator.num_processes
 
     def __len__(self):
         return math.ceil(len(self.labels) / (self.batch_size * self.accelerator.num_processes)) - self.skip_batches

@@ -4,7 +4,8 @@ After SKIP steps (start-up, DDP's first-step bucket rebuild) and WARMUP more, AC
 recorded on every process, and each writes a Chrome/Perfetto trace to
 <output_dir>/profile/trace_rank<N>.json (open it at https://ui.perfetto.dev). `python
 tools/step_time.py <output_dir>/profile` reads them into a table of where a step's time went. The
-profiler only observes: a profiled run trains the weights of one that is not.
+profiler only observes: a profiled run trains the weights of one that is not. A run that fails inside
+the window writes no trace (one stopped on a signal, on every process at the same step, does).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ import torch
 from accelerate.utils import ProfileKwargs
 
 from shared import stop_together
+from shared.errors import Stopped
 from shared.run_folder import PROFILE_FOLDER
 
 SKIP, WARMUP, ACTIVE = 5, 2, 5
@@ -59,6 +61,8 @@ class _Window(ProfileKwargs):
 
 class _SaysWhenEmpty(torch.profiler.profile):
     def __exit__(self, *exception):
+        if exception[0] is not None and not issubclass(exception[0], Stopped):  # a failure, maybe on this process alone:
+            self.on_trace_ready = None  # no trace, whose write waits for every process while the others train on (a hang)
         super().__exit__(*exception)
         if self.step_num < SKIP + WARMUP + 1 and exception[0] is None and os.environ.get("RANK", "0") == "0":
             print(f"--profile recorded nothing: the run took {self.step_num} steps, and the profiler skips {SKIP} and warms up "

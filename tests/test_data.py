@@ -1,5 +1,5 @@
 """The real torchvision loading code on files laid out as torchvision expects, its failures, the
-order in which processes download, and the in-memory loader's order."""
+order in which processes download, and the in-memory loader's order and last batch."""
 
 import contextlib
 import json
@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from accelerate.data_loader import SeedableRandomSampler
-from torch.utils.data import TensorDataset
+from accelerate.data_loader import SeedableRandomSampler, prepare_data_loader
+from accelerate.state import GradientState
+from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CONFIGS, SCRIPTS, TOOLS, error_lines, python_command, read_metrics, run, script_env, small_disk
 from shared import mnist_data
@@ -234,3 +235,26 @@ def test_the_in_memory_loader_reshuffles_after_each_pass_as_accelerates_sampler_
     sampler = SeedableRandomSampler(data, data_seed=7)
     orders = [torch.cat([labels for _, labels in loader]).tolist() for _ in range(3)]
     assert orders == [list(sampler) for _ in range(3)] and orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("num_samples, num_processes", [(5, 2), (8, 2), (3, 4), (5, 1)])
+def test_the_in_memory_loader_tells_gather_for_metrics_which_samples_are_top_up(num_samples, num_processes):
+    """gather_for_metrics keeps, of the last batch gathered from every process, only the samples that are not
+    top-up: the loader says how many (GradientState's remainder), as accelerate's prepared DataLoader does.
+    Before, it said nothing, and a training metric gathered over 5 samples in batches of 2 on 2 processes counted 8."""
+    data = TensorDataset(torch.zeros(num_samples, 1), torch.arange(num_samples))
+    batches, remainders = [], []
+    for process in range(num_processes):
+        ours = InMemoryLoader(data, 2, SimpleNamespace(process_index=process, num_processes=num_processes, device=torch.device("cpu")), seed=7)
+        accelerates = prepare_data_loader(DataLoader(data, batch_size=2, shuffle=True), device=torch.device("cpu"), put_on_device=False,
+                                          num_processes=num_processes, process_index=process, use_seedable_sampler=True, data_seed=7)
+        for loader in (ours, accelerates):
+            for step, (_, labels) in enumerate(loader):
+                remainders.append((loader is ours, process, step, GradientState().end_of_dataloader, GradientState().remainder))
+                batches.append(labels) if loader is ours else None
+    assert [entry[1:] for entry in remainders if entry[0]] == [entry[1:] for entry in remainders if not entry[0]]
+    steps = len(batches) // num_processes  # gathered as gather_for_metrics does: each step's batches in process order
+    gathered = [torch.cat([batches[process * steps + step] for process in range(num_processes)]) for step in range(steps)]
+    remainder = remainders[-1][-1]
+    gathered[-1] = gathered[-1][:remainder] if remainder > 0 else gathered[-1]
+    assert sorted(torch.cat(gathered).tolist()) == list(range(num_samples)), "each sample once"

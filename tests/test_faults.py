@@ -432,7 +432,7 @@ def test_a_peer_lost_while_fsdp_loads_a_checkpoint_is_no_damaged_checkpoint(tmp_
     from torch.distributed.checkpoint.api import CheckpointException
 
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:29500")
-    fsdp = SimpleNamespace(distributed_type=checkpoints.DistributedType.FSDP)
+    fsdp = SimpleNamespace(distributed_type=checkpoints.DistributedType.FSDP, scaler=None)
     with pytest.raises(errors.UserError) as refused, checkpoints.loading(tmp_path / "step_00000004", fsdp):
         raise lost
     assert "could not be loaded (" in str(refused.value), "no process group: errors.run_main would print its traceback"
@@ -444,6 +444,20 @@ def test_a_peer_lost_while_fsdp_loads_a_checkpoint_is_no_damaged_checkpoint(tmp_
         raise CheckpointException("load failed", {0: (RuntimeError("PytorchStreamReader failed reading zip archive"), None)})
     assert str(refused.value) == (f"Checkpoint {tmp_path / 'step_00000004'} could not be loaded (PytorchStreamReader failed reading "
                                   "zip archive): resume from an earlier one.")
+
+
+def test_an_fp16_load_of_a_checkpoint_saved_without_fp16_ends_in_one_sentence(tmp_path):
+    """fp16 (GPUs only) gives the Accelerator a GradScaler, whose state accelerate's load_state reads from scaler.pt,
+    which a run without fp16 never saved: the load failed on the missing file, advising an earlier checkpoint, which
+    fails the same way. A stand-in for fp16's Accelerator: it assumes only that load_state reads scaler.pt whenever
+    accelerator.scaler is set (accelerate 1.15's checkpointing.load_accelerator_state, and its FSDP2 branch)."""
+    checkpoint = tmp_path / "step_00000004"
+    checkpoint.mkdir()
+    fp16 = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"), distributed_type=checkpoints.DistributedType.MULTI_GPU)
+    with pytest.raises(errors.UserError) as refused, checkpoints.loading(checkpoint, fp16):
+        pytest.fail("the load went on")
+    assert str(refused.value) == (f"Checkpoint {checkpoint} holds no loss scale for --mixed_precision fp16 (its run trained without "
+                                  "fp16): load it with the --mixed_precision it trained with.")
 
 
 @pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.ESTALE, "Stale file handle"),

@@ -467,13 +467,21 @@ def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(p
 
 
 def test_a_ddp_flag_under_fsdp_is_answered_in_one_sentence(place):
-    """fsdp.yaml's processes (ACCELERATE_USE_FSDP, which accelerate launch sets) have no DDP to shape."""
+    """fsdp.yaml's processes (ACCELERATE_USE_FSDP, which accelerate launch sets) have no DDP to shape, and shard no
+    channels_last weights."""
     env = {**script_env(), "ACCELERATE_USE_FSDP": "true"}
     for flag, value in (("--ddp_comm_hook", "fp16"), ("--ddp_bucket_cap_mb", "1")):
         result = run(cpu_gloo(place, flag, value), cwd=place, check=False, env=env)
         assert result.returncode == 1 and result.stderr.splitlines() == [
             f"error: {flag} shapes DDP's gradient all-reduce, which FSDP (fsdp.yaml) does not use: leave it out, or launch with a DDP profile."]
         assert not (place / "fresh").exists()
+    # torch's fully_shard raises NotImplementedError on a non-contiguous parameter (read in torch 2.15, and seen over gloo)
+    result = run(python_command("mnist_conv.py", "--data_dir", place / "data", "--output_dir", place / "fresh", "--channels_last"),
+                 cwd=place, check=False, env=env)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "error: --channels_last does not work under FSDP (fsdp.yaml), which shards only contiguous weights, and NHWC ones "
+        "are not: leave it out, or launch with a DDP profile."]
+    assert not (place / "fresh").exists()
 
 
 def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TOOLS, checkpoints_in, python_command, read_metrics, read_state, run, script_env
+from conftest import SCRIPTS, TOOLS, checkpoints_in, error_lines, launch_command, python_command, read_metrics, read_state, run, script_env
 from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
+PROBES = Path(__file__).resolve().parent / "probes"
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
 
 
@@ -193,6 +194,21 @@ def test_a_trace_that_cannot_be_written_stops_every_process_in_one_sentence(data
     assert line.startswith(f"error: Could not write {output_dir / 'profile' / 'trace_rank'}") and line.endswith(
         "free space or fix the folder, or train without --profile."), line
     assert (output_dir / "profile").read_text() == "not a folder"
+
+
+def test_a_process_that_fails_inside_the_profiled_window_ends_the_run_without_a_trace(data_dir, tmp_path):
+    """The last of 2 processes runs out of memory in its 10th backward, inside the recorded window (steps 8 to 12).
+    Its profiler wrote the trace on the way out, a write that waits for every process, while the other process
+    waited in that step's gradient all-reduce: the run hung until --ddp_timeout. Now the failing process writes
+    no trace, and the run ends in its failure's sentence, as without --profile."""
+    output_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = run(launch_command(PROBES / "out_of_memory_in.py", "backward@10", SCRIPTS / "cpu_gloo.py", "--output_dir", output_dir,
+                                "--data_dir", data_dir, "--max_train_steps", "14", "--profile", "--ddp_timeout", "120", num_processes=2),
+                 cwd=tmp_path, check=False)
+    assert result.returncode == 1 and time.monotonic() - started < 100, (time.monotonic() - started, result.stderr[-3000:])
+    assert error_lines(result.stderr)[0].startswith("error: Out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.)"), result.stderr[-3000:]
+    assert not (output_dir / "profile").exists()
 
 
 def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
