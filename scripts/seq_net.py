@@ -207,6 +207,8 @@ def main(argv=None):
                     # --max_train_steps the run finishes instead (its model, not a checkpoint).
                     stopping = preemption.stop_agreed(step, epoch_ends=stats.batches == len(train_loader)) and step != args.max_train_steps
                     if stopping or saved.due(step):
+                        for buffer in model.buffers():  # BatchNorm's statistics, each process's own until evaluate():
+                            broadcast(buffer)  # the main process's, as there (FSDP's sharded save takes any process's copy)
                         with saved.saving(epoch, step, stats) as folder:  # every process; renamed once complete
                             accelerator.save_state(folder)
                     if stopping:

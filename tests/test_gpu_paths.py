@@ -42,7 +42,9 @@ def launch_probe(mode, folder, num_processes):
 
 def test_fsdp2_sharded_checkpoints_resume_at_another_process_count(tmp_path):
     """fsdp.yaml's checkpoints, through accelerate's own FSDP2 save and load: saved by 2 processes, loaded
-    by 3 (uneven shards) and by 1, the model and the optimizer state are the ones saved, bitwise."""
+    by 3 (uneven shards) and by 1, the model and the optimizer state are the ones saved, bitwise. The processes
+    trained on batches of their own, and took the main process's BatchNorm statistics before the save, as the
+    scripts do: without that, the checkpoint held another process's (torch's save writes any copy of a buffer)."""
     saved = launch_probe("save", tmp_path, 2)
     assert [record["world_size"] for record in saved] == [2, 2]
     assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/__1_0.distcp"} <= set(saved[0]["files"])

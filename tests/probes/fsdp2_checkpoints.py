@@ -3,7 +3,8 @@ accelerator.save_state and load_state call under fsdp.yaml: save_fsdp_model, sav
 their load_ twins, torch's distributed checkpoint underneath) on mnist_conv's Net, sharded with
 fully_shard over gloo, which accelerate itself only does on GPUs.
 
-    probe save FOLDER        train 2 steps, save the sharded checkpoint, and the full state for reference
+    probe save FOLDER        train 2 steps on each process's own batch, take the main process's BatchNorm statistics as
+                             the scripts do before a save, save the sharded checkpoint, and the full state for reference
     probe load FOLDER        load it (at another process count), record whether the full state is the saved one
     probe damaged FOLDER     load it inside the scripts' checkpoints.loading, after the test has damaged a shard
     probe own_disks FOLDER   save with each process writing into a folder of its own, as machines without a
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, broadcast
 from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -63,11 +64,15 @@ def main():
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    images, labels = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1)), torch.arange(8)
+    # Each process's own batches, as in training: BatchNorm's running statistics differ from process to process.
+    images, labels = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1 + rank)), torch.arange(8)
     for _ in range(0 if loads else 2):
         optimizer.zero_grad()
         F.nll_loss(model(images), labels).backward()
         optimizer.step()
+    if not loads:  # the scripts' lines before a save: torch's sharded save writes any process's copy of a buffer
+        for buffer in model.buffers():
+            broadcast(buffer)
     record = {"world_size": accelerator.num_processes}
     if mode == "damaged":  # torch's sharded load raises its CheckpointException, a BaseException, on every process together
         with checkpoints.loading(folder, UnderFsdp(accelerator)):
