@@ -213,13 +213,13 @@ def main(argv=None):
                             accelerator.save_state(folder)
                     if stopping:
                         raise errors.Stopped(f"saved {saved.newest} after step {step}; continue with --resume_from_checkpoint latest.")
-            scheduler.step()
             trained = stats.summary()  # every process: the epoch's loss (stops a diverged run), samples/s, peak memory
             whole_epoch = stats.batches == len(train_loader)  # not one that --max_train_steps cut short
 
             # Every process: the main process writes the record, and a failed write stops all of them.
             record = log.write(epoch, trained, evaluate(model, test_loader, accelerator),
                                {"step": step, "lr": scheduler.get_last_lr()[0], "whole_epoch": whole_epoch})
+            scheduler.step()  # after the record, which holds the rate this epoch trained at
             accelerator.print(metrics.epoch_line(record, num_epochs))
             accelerator.log(tracking.scalars(record), step=epoch)
             if reason := early_stopping.reason_to_stop(record):  # every process: all stop after the same epoch
