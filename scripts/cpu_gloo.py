@@ -105,7 +105,9 @@ def main(argv=None):
     if args.data_pipeline == "memory":
         train_loader = InMemoryLoader(train_set, batch_size, accelerator, seed=args.seed)
     else:
-        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
+        # A generator of its own, for its workers' seeds: a resume's new iterator then leaves torch's random state (dropout's) as saved.
+        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, num_workers=args.num_workers,
+                                  worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(args.seed))
     test_loader = DataLoader(test_set, batch_size=args.eval_batch_size, num_workers=args.num_workers, worker_init_fn=ignore_stop_signals)
 
     model = SimpleNet()
