@@ -6,13 +6,12 @@ On 4 GPUs:                    accelerate launch --config_file accelerate_configs
 """
 
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import broadcast, set_seed
+from accelerate.utils import broadcast, parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -57,7 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--channels_last", action="store_true",
                         help="keep the conv activations in NHWC order, which the GPU's fastest bf16 and fp16 convolutions use")
     args = parser.parse_args(argv)
-    if args.channels_last and os.environ.get("ACCELERATE_USE_FSDP") == "true":  # set by accelerate launch for fsdp.yaml
+    if args.channels_last and parse_flag_from_env("ACCELERATE_USE_FSDP"):  # set by accelerate launch for fsdp.yaml
         raise errors.UserError("--channels_last does not work under FSDP (fsdp.yaml), which shards only contiguous weights, "
                                "and NHWC ones are not: leave it out, or launch with a DDP profile.", every_process=True)
     return args

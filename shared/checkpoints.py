@@ -254,7 +254,7 @@ def loading(path, accelerator, position=None):
     process stops every one in one sentence, said once per machine; a resume (`position`) that loads says where it continues."""
     if accelerator.scaler is not None and not (Path(path) / SCALER_NAME).exists():  # fp16's GradScaler: load_state would read it
         raise UserError(f"Checkpoint {path} holds no loss scale for --mixed_precision fp16 (its run trained without fp16): load it "
-                        "with the --mixed_precision it trained with.", every_process=True)
+                        "with the --mixed_precision it trained with: bf16 or no.", every_process=True)
     failure = None
     try:
         yield

@@ -3,7 +3,7 @@
 import os
 from datetime import timedelta
 
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, InitProcessGroupKwargs, parse_flag_from_env
 
 from shared.errors import UserError
 
@@ -24,7 +24,7 @@ def kwargs_handlers(ddp_timeout, comm_hook="no", bucket_cap_mb=None):
     all-reduce per step (benchmarks/README.md), and DDP's warning that no parameter was unused, which
     scripts/launch.py hides. Not under PowerSGD, whose compressed all-reduces cross the layout's own in
     another order on each process (gloo then fails on a size mismatch), and whose resumes drift anyway."""
-    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and (comm_hook != "no" or bucket_cap_mb):
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and (comm_hook != "no" or bucket_cap_mb):
         flag = "--ddp_comm_hook" if comm_hook != "no" else "--ddp_bucket_cap_mb"
         raise UserError(f"{flag} shapes DDP's gradient all-reduce, which FSDP (fsdp.yaml) does not use: leave it out, "
                         "or launch with a DDP profile.", every_process=True)

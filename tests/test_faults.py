@@ -457,7 +457,7 @@ def test_an_fp16_load_of_a_checkpoint_saved_without_fp16_ends_in_one_sentence(tm
     with pytest.raises(errors.UserError) as refused, checkpoints.loading(checkpoint, fp16):
         pytest.fail("the load went on")
     assert str(refused.value) == (f"Checkpoint {checkpoint} holds no loss scale for --mixed_precision fp16 (its run trained without "
-                                  "fp16): load it with the --mixed_precision it trained with.")
+                                  "fp16): load it with the --mixed_precision it trained with: bf16 or no.")
 
 
 @pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.ESTALE, "Stale file handle"),
