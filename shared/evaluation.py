@@ -12,7 +12,7 @@ from shared import stop_together
 from shared.intact_checkpoints import first_intact, sha256
 from shared.errors import UserError, first_line
 from shared.metrics import write_whole
-from shared.run_folder import EVAL_FILE, MODEL_FILE
+from shared.run_folder import EVAL_FILE, MODEL_FILE, model_saved_after
 
 
 def weights_to_evaluate(accelerator, spec, output_dir):
@@ -31,11 +31,12 @@ def weights_to_evaluate(accelerator, spec, output_dir):
     model_file = Path(output_dir) / MODEL_FILE  # on every machine, where each has a disk of its own
 
     def newest():
-        found = [path for path in (checkpoint, model_file) if path is not None and path.exists()]
-        if not found:
+        if checkpoint is None and not model_file.exists():
             raise UserError(f"{output_dir} holds neither a checkpoint nor a {MODEL_FILE} to evaluate: pass the --output_dir "
                             "of a run, or a path.")
-        return max(found, key=lambda path: path.stat().st_mtime) == model_file
+        # The model file when it is the end of the run that went on from the checkpoint: saved at or after it (a disk
+        # that stamps whole seconds gives both one time), as a resume judges it.
+        return checkpoint is None or model_saved_after(output_dir, checkpoint)
     return (model_file, True) if stop_together.on_main_process(accelerator, newest) else (checkpoint, False)
 
 

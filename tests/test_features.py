@@ -2,10 +2,12 @@
 gradient accumulation, the scheduler, tracking, plots, Hub data, torch.compile and multi-node."""
 
 import json
+import os
 import shutil
 import socket
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -465,6 +467,15 @@ def test_eval_only_latest_evaluates_the_newest_weights_of_the_run(data_dir, tmp_
     evaluation = json.loads((run_dir / "eval.json").read_text())
     assert evaluation["weights"] == str(run_dir / "model.safetensors")
     assert evaluation["eval_accuracy"] == read_metrics(run_dir)[-1]["eval_accuracy"]
+    assert result.stdout.startswith(f"{run_dir / 'model.safetensors'}: eval_accuracy")
+    # On a disk that stamps whole seconds, the checkpoint, the records and the model saved after them may share one time:
+    # still the model (before, a tie went to the checkpoint).
+    second = int(time.time())
+    for path in (run_dir / "checkpoints" / "step_00000040", run_dir / "checkpoints" / "step_00000040" / "trainer_state.json",
+                 run_dir / "metrics.jsonl", run_dir / "model.safetensors"):
+        os.utime(path, (second, second))
+    result = run(python_command("cpu_gloo.py", "--data_dir", data_dir, "--output_dir", run_dir, "--eval_only",
+                                "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert result.stdout.startswith(f"{run_dir / 'model.safetensors'}: eval_accuracy")
 
     # A write that fails (a folder where its temporary file goes) ends in one sentence, the eval.json before it whole.

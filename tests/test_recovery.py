@@ -412,7 +412,7 @@ def test_under_restarts_a_signal_to_one_machines_launcher_saves_and_ends_both(si
     env = {**script_env(), **paused_at([70], tmp_path, [signalled])}  # the other's rank waits in the step's check for a signal
     jobs = [start([sys.executable, *loopback_machine(rank, port, "--max_restarts", 1, PAUSE_PROBE, *args)], tmp_path, env) for rank in (0, 1)]
     wait_until(lambda: all_paused(tmp_path, [signalled], 70), jobs[0], "the pause after step 70")
-    # Machine N's process is rank N, as torchrun's rendezvous orders them by launcher pid: else the other holds it.
+    # torchrun's rendezvous orders the machines by address, then launcher pid: find which holds the rank.
     holder = next(job for job in jobs if any(process.environ().get("RANK") == str(signalled)
                                              for process in psutil.Process(job.pid).children(recursive=True)))
     holder.send_signal(signal.SIGTERM)
