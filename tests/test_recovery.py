@@ -147,10 +147,10 @@ def test_a_signal_late_in_an_epoch_stops_it_before_its_evaluation_and_the_resume
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "1000"]
     stopped = tmp_path / "stopped"
     # Rank 1 waits after step 60, before its check; rank 0 waits for it inside the check's all-reduce, past its look at its
-    # own mark, when the signal comes: the check at step 60 finds no mark, and the next is the epoch's last step.
+    # own mark (its checking_ file says so), when the signal comes: the check at step 60 finds no mark, and the next is the
+    # epoch's last step.
     job = start(launch("--output_dir", stopped, *args, script=PAUSE_PROBE), tmp_path, env={**script_env(), **paused_at([60], tmp_path, [1])})
     wait_until(lambda: all_paused(tmp_path, [1], 60) and (tmp_path / "checking_0_at_60").exists(), job, "step 60's check")
-    time.sleep(0.5)  # rank 0 was microseconds from the check's all-reduce
     training_process(job, 0).send_signal(signal.SIGTERM)
     time.sleep(0.5)  # delivered: its handler runs once the all-reduce returns
     (tmp_path / "go").touch()

@@ -1,7 +1,8 @@
 """Runs the training script PAUSE_SCRIPT, paused after each optimizer step in PAUSE_AT_STEP (comma-separated)
 on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
 appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Each writes
-PAUSE_DIR/checking_<rank>_at_<step> as it comes to the step's check for a signal; pausing, each writes
+PAUSE_DIR/checking_<rank>_at_<step> as it enters the step's check for a signal, past its look at its own mark
+(a signal from then on waits for the next check); pausing, each writes
 PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds its file there already (restarted, it passes
 the step again) goes on; a signal to stop writes PAUSE_DIR/signalled_<rank>. A test that acts on a run (a
 signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that acts
@@ -18,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from accelerate import Accelerator
+
 from shared.preemption import Preemption
 
 SCRIPT = os.environ["PAUSE_SCRIPT"]
@@ -27,6 +30,8 @@ RANKS = os.environ.get("PAUSE_RANKS")
 assert all(step % Preemption.CHECK_EVERY == 0 for step in AT_STEPS), "pause where the processes check for a signal"
 signalled = threading.Event()
 original_mark, original_stop_agreed = Preemption._mark, Preemption.stop_agreed
+original_check_trigger = Accelerator.check_trigger
+checking = []  # the step whose check this process is in
 
 
 def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
@@ -35,10 +40,15 @@ def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
     original_mark(self, signum, frame)
 
 
+def check_trigger(self):  # the check's all-reduce, after stop_agreed looked at this process's own mark
+    if checking and checking[-1] in AT_STEPS:
+        (FOLDER / f"checking_{os.environ.get('RANK', '0')}_at_{checking[-1]}").touch()
+    return original_check_trigger(self)
+
+
 def stop_agreed(self, step, epoch_ends=False):
     rank = os.environ.get("RANK", "0")
-    if step in AT_STEPS:  # a rank that does not pause is then microseconds from the check's collective
-        (FOLDER / f"checking_{rank}_at_{step}").touch()
+    checking[:] = [step]
     marker = FOLDER / f"paused_{rank}_at_{step}"
     if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
         marker.touch()
@@ -50,7 +60,7 @@ def stop_agreed(self, step, epoch_ends=False):
     return original_stop_agreed(self, step, epoch_ends)
 
 
-Preemption._mark, Preemption.stop_agreed = mark, stop_agreed
+Preemption._mark, Preemption.stop_agreed, Accelerator.check_trigger = mark, stop_agreed, check_trigger
 sys.argv = [SCRIPT, *sys.argv[1:]]
 sys.path[0] = str(Path(SCRIPT).resolve().parent)  # the script's own folder, as `python script.py` has it
 runpy.run_path(SCRIPT, run_name="__main__")
