@@ -156,8 +156,10 @@ def python_command(script, *args):
 
 def launch_command(script, *args, num_processes=None, config="cpu.yaml"):
     """python scripts/launch.py --config_file accelerate_configs/<config> [--num_processes N] scripts/X.py ...:
-    accelerate's launcher with the README's checks. Plain `accelerate launch` has tests of its own."""
-    command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config]
+    accelerate's launcher with the README's checks. Plain `accelerate launch` has tests of its own. The port is this
+    test worker's (free_port): the profile's 0 has accelerate pick a free one, which torchrun binds a moment later, when
+    the other worker's connections may have taken it."""
+    command = [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / config, "--main_process_port", free_port()]
     if num_processes is not None:
         command += ["--num_processes", num_processes]
     return command + [SCRIPTS / script, *args]
