@@ -72,9 +72,9 @@ def parse_args(argv=None):
     # Batch 8: all 5 rows in one step, split over the 1, 2, 4 or 8 processes of every profile. Where 8 exceeds the rows,
     # accelerate tops the step up with rows from the epoch's start, one each: 2, 4 and 8 processes step on the same 8 rows.
     parser.add_argument("--batch_size", type=positive(int), default=8,
-                        help="rows per optimizer step, split evenly across the processes: any number of processes trains "
-                        "the same model where the batch divides the 5 rows (--batch_size 5: 1 or 5 processes); otherwise "
-                        "several processes top the last step up with rows from the start (default: %(default)s)")
+                        help="rows per optimizer step, split evenly across the processes: a multiple of the 5 rows (5, 10, "
+                        "40) trains the same model at any number of processes it splits across; otherwise several "
+                        "processes top the last step up with rows from the start (default: %(default)s)")
     parser.add_argument("--lr", type=positive(float), default=0.5, help="SGD's learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=123, help="seed for the weights and the shuffling (default: %(default)s)")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,

@@ -5,13 +5,16 @@
     notebook_launcher(in_notebook(main), args=([],), num_processes=2)
 """
 
+import contextlib
 import os
 import sys
 import threading
 
+from accelerate.state import AcceleratorState, GradientState
+
 from shared import preemption, run_folder
 from shared.errors import (MADE_BY_THIS_RUN, OUT_OF_MEMORY_SIGNS, Stopped, UserError, end_in_its_sentence,
-                           exit_now, first_line, leave_process_group_together)
+                           exit_now, first_line, leave_process_group_together, remove_what_the_failed_run_made)
 
 
 def in_notebook(main, out_of_memory_advice="lower --batch_size"):
@@ -20,10 +23,12 @@ def in_notebook(main, out_of_memory_advice="lower --batch_size"):
     signal to stop in its one line, as under errors.run_main, not in a traceback of every process; the
     cell then ends. With one process, notebook_launcher runs main in the kernel itself, which lives on:
     at the run's end its --output_dir is let go, preemption's watchdog ends, what a failed run made is no
-    longer this run's to remove, and a mistake ends the cell, never the kernel."""
+    longer this run's to remove, the next run starts afresh (_forget_the_run), and a mistake ends the cell,
+    never the kernel; an interrupt removes what the run made, as Ctrl-C does under errors.run_main."""
     kernel = os.getpid()
 
     def run(*args):
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")  # the user's, or none: a run sets its own store's
         try:
             main(*args)
         except Stopped as stopped:  # a checkpoint saved on every process
@@ -38,11 +43,29 @@ def in_notebook(main, out_of_memory_advice="lower --batch_size"):
             end_in_its_sentence(error)
             if not error.every_process and os.getpid() != kernel:  # the others go on: the launcher stops them once this one fails
                 exit_now(1)
+        except KeyboardInterrupt:
+            remove_what_the_failed_run_made()
+            raise
         finally:
             run_folder.let_go()
             preemption.stop_watching()
             MADE_BY_THIS_RUN.clear()  # the kernel's next run, which fails, must not remove what this one made
+            if os.getpid() == kernel:
+                _forget_the_run(tracking_uri)
     return run
+
+
+def _forget_the_run(tracking_uri):
+    """In the kernel after a run: accelerate keeps its state (the precision, the device) in the process for the next
+    Accelerator, which then quietly trained in this run's --mixed_precision where the next cell asked for none, refused
+    another with a traceback, and kept notebook_launcher from starting processes; accelerate has no public reset (its
+    own tests use this one). MLflow's store and run, which a failed run left active, go too."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.pop("MLFLOW_TRACKING_URI", None) if tracking_uri is None else os.environ.update(MLFLOW_TRACKING_URI=tracking_uri)
+    if "mlflow" in sys.modules:
+        with contextlib.suppress(Exception):  # nothing to end, or a store gone
+            sys.modules["mlflow"].end_run()
 
 
 _held = threading.local()  # by the thread that forks: two threads may fork at once

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -181,7 +182,7 @@ def test_a_complete_template_in_the_kernel_itself_ends_a_mistake_in_the_cell_and
     signal to stop (SIGUSR1, sent at its fifth step) saves at the epoch's last, its eighth, and ends the cell in one line (before, a traceback)."""
     import nbformat
 
-    def cell(*flags):
+    def cell(*flags, num_processes=1):
         return f"""
 import sys
 sys.path.insert(0, {str(SCRIPTS)!r})
@@ -189,7 +190,7 @@ from accelerate import notebook_launcher
 from shared.notebook import in_notebook
 from cpu_gloo import main
 
-notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes=1)
+notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes={num_processes})
 """
     common = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
     # The kernel interrupted after the run (as Jupyter's interrupt button does), idle past preemption's grace
@@ -224,12 +225,17 @@ def step_then_signal(self, *args, **kwargs):
     return step(self, *args, **kwargs)
 torch.optim.SGD.step = step_then_signal
 """
+    interrupt_at_step_5 = signal_at_step_5.replace("SIGUSR1", "SIGINT")
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
         "from shared.preemption import Preemption\nPreemption.GRACE_S = 2",
         cell(*common, "--eval_only"), cell(*common), cell(*common, "--overwrite_output_dir", "--lr", "0.02"),
         out_of_memory + cell(*common[2:], "--output_dir", tmp_path / "out_of_memory") + "torch.Tensor.backward = backward\n"
         + "print(\"another run's lock kept:\", stand_in.exists())\nstand_in.unlink()",
         signal_at_step_5 + cell(*common[2:], "--output_dir", tmp_path / "stopped", "--num_epochs", "3") + "torch.optim.SGD.step = step",
+        cell(*common[2:-2], "--output_dir", tmp_path / "bf16", "--mixed_precision", "bf16"),
+        cell(*common[2:-2], "--output_dir", tmp_path / "plain"), cell(*common[2:-2], "--output_dir", tmp_path / "pair", num_processes=2),
+        interrupt_at_step_5 + "try:\n" + textwrap.indent(cell(*common[2:-2], "--output_dir", tmp_path / "interrupted"), "    ")
+        + "except KeyboardInterrupt:\n    print('interrupted')\ntorch.optim.SGD.step = step",
         interrupt,
         "import threading\nprint('watchdogs left:', sum('_end_if_stuck' in thread.name for thread in threading.enumerate()))")])
     run_in_a_kernel(notebook, tmp_path)
@@ -246,6 +252,13 @@ torch.optim.SGD.step = step_then_signal
         "--resume_from_checkpoint latest."], said[5]
     records = read_metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["lr"] == 0.02 and not (tmp_path / "run" / ".lock").exists()
+    # Each run in the kernel starts afresh: the next cell's precision (before, bf16 again, without a word), and
+    # notebook_launcher's processes (before, it refused to start them once the kernel had run an Accelerator).
+    assert [read_metrics(tmp_path / name)[-1]["mixed_precision"] for name in ("bf16", "plain")] == ["bf16", "no"]
+    assert read_metrics(tmp_path / "pair")[-1]["world_size"] == 2
+    printed = "".join(output.get("text", "") for output in notebook.cells[-3].outputs if output.get("name") == "stdout")
+    assert printed.endswith("interrupted\n"), notebook.cells[-3].outputs
+    assert not (tmp_path / "interrupted").exists(), "as Ctrl-C: what it made goes"
     assert notebook.cells[-2].outputs[-1].text == "the kernel lives on\n"
     assert notebook.cells[-1].outputs[-1].text == "watchdogs left: 0\n"
 
