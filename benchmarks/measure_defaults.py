@@ -1,5 +1,5 @@
 """Train every script with its default hyperparameters on 1 process and with cpu.yaml at 2 and 4
-processes, as the README launches them, and print a markdown table of what each reaches (the last
+processes through `accelerate launch` (which the README's scripts/launch.py wraps), and print a markdown table of what each reaches (the last
 epoch of metrics.jsonl).
 
     python tools/offline_mnist.py --data_dir data_offline                       # 5,000 real digits

@@ -1,7 +1,8 @@
 """MNIST-family files in torchvision's layout, written from arrays: the IDX format MNIST ships in.
 
 The tests, the offline subset (tools/offline_mnist.py) and the benchmarks write their data with it, so
-the scripts read it through torchvision's own loading code, with no network.
+the scripts read it as they read the downloaded files (the torchvision pipeline through torchvision's own
+loading code), with no network.
 """
 
 import struct
@@ -32,7 +33,10 @@ def refuse_to_replace(data_dir, name):
 def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):
     """Lay out arrays as torchvision expects <data_dir>/<name>/raw/, so it loads them with no network."""
     raw_folder = Path(data_dir) / name / "raw"
-    raw_folder.mkdir(parents=True, exist_ok=True)
-    for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
-        write_idx(raw_folder / file_name, array)
+    try:
+        raw_folder.mkdir(parents=True, exist_ok=True)
+        for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
+            write_idx(raw_folder / file_name, array)
+    except OSError as error:  # a file where a folder goes, a read-only or full disk
+        sys.exit(f"error: {raw_folder} could not be written ({error}): pass a --data_dir you can write in.")
     return raw_folder

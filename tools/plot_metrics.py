@@ -60,8 +60,11 @@ def main():
         else:
             axis.text(0.5, 0.5, "not recorded by these runs", ha="center", transform=axis.transAxes)
     figure.tight_layout()
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.output, dpi=100)
+    try:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(args.output, dpi=100)
+    except (OSError, ValueError) as error:  # a folder there, or a format matplotlib does not write (its ValueError)
+        sys.exit(f"error: {args.output} could not be written ({error}): pass a .png, .pdf or .svg file name in a folder you can write in.")
     print(f"wrote {args.output}")
 
 

@@ -4,7 +4,7 @@ DDP's all-reduce of the gradient buckets runs beside it.
     python tools/plot_trace.py runs/mnist_conv/profile [runs/other/profile ...] -o step.png
 
 For each trace_rank<N>.json in the folders, the last recorded step: one row for the main thread's
-phases (forward, backward, all-reduce wait, optimizer) and one row for the all-reduces the
+phases (forward, backward, optimizer; the gaps between them are the waits) and one row for the all-reduces the
 communication thread ran, on the same time axis from the step's start. On a CPU these are gloo's
 all-reduces themselves; on a GPU they are the host's calls that queue NCCL's, whose kernels run later on
 the device (tools/step_time.py counts those, in its device columns).
@@ -76,8 +76,11 @@ def main():
     unique = dict(zip(labels, handles))
     figure.legend(unique.values(), unique.keys(), loc="upper right", ncol=4, fontsize=9)
     figure.tight_layout(rect=(0, 0, 1, 0.93))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.output, dpi=110)
+    try:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(args.output, dpi=110)
+    except (OSError, ValueError) as error:  # a folder there, or a format matplotlib does not write (its ValueError)
+        sys.exit(f"error: {args.output} could not be written ({error}): pass a .png, .pdf or .svg file name in a folder you can write in.")
     print(f"Wrote {args.output}")
 
 

@@ -127,8 +127,8 @@ def table(rows, folder):
 
 
 def trace_files(folder):
-    """The trace_rank<N>.json files in a profile folder, by rank (2 before 10)."""
-    return sorted(Path(folder).glob("trace_rank*.json"), key=rank_of)
+    """The trace_rank<N>.json files in a profile folder, by rank (2 before 10); a file of another name there is not one."""
+    return sorted((path for path in Path(folder).glob("trace_rank*.json") if re.fullmatch(r"trace_rank\d+\.json", path.name)), key=rank_of)
 
 
 def rank_of(trace_path):
