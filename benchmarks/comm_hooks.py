@@ -22,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from time_to_accuracy import timed_epochs  # noqa: E402
+from time_to_accuracy import TARGETS, timed_epochs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = ("no", "fp16", "bf16", "power_sgd")
-TARGET = 0.87  # eval accuracy on the real-digit subset, as time_to_accuracy.py uses for cpu_gloo.py
+TARGET = TARGETS["cpu_gloo.py"]  # eval accuracy on the real-digit subset
+BATCH_SIZE = baselines.script_defaults("cpu_gloo.py").batch_size  # the global batch of a step
 
 
 def run(processes, hook, data_dir, output_dir):
@@ -38,7 +39,7 @@ def run(processes, hook, data_dir, output_dir):
 
 
 def measure(records, seen):
-    steps_per_s = statistics.median(record["samples_per_sec"] for record in records[1:]) / 64
+    steps_per_s = statistics.median(record["samples_per_sec"] for record in records[1:]) / BATCH_SIZE
     reached = next((wall for record, wall in zip(records, seen) if record["eval_accuracy"] >= TARGET), None)
     return {"step_ms": 1000 / steps_per_s, "time_to_accuracy_s": reached, "accuracy": records[-1]["eval_accuracy"]}
 
@@ -56,8 +57,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
             for processes in args.processes:
-                order = args.hooks[round_index % len(args.hooks):] + args.hooks[:round_index % len(args.hooks)]
-                for hook in order:
+                for hook in baselines.rotated(args.hooks, round_index):
                     records, seen = run(processes, hook, args.data_dir, Path(workdir) / "run")
                     rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen)})
                     print(f"round {round_index} {processes} processes {hook}: {rows[-1]}", file=sys.stderr, flush=True)

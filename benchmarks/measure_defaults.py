@@ -8,7 +8,6 @@ epoch of metrics.jsonl).
 """
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -18,6 +17,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from shared.metrics import read_records  # noqa: E402
+
 SCRIPTS = ("seq_net.py", "mnist_conv.py", "cpu_gloo.py", "toy_mlp.py")
 LAUNCHES = {  # processes -> the README's command before the script
     1: "python",
@@ -37,7 +39,7 @@ def train(script, data_dir, output_dir, processes):
     started = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "TQDM_DISABLE": "1"})
     wall = time.perf_counter() - started
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(output_dir, keys=())
     assert records[-1]["world_size"] == processes, f"{script} trained as {records[-1]['world_size']} processes, not {processes}"
     return records[-1], len(records), wall
 

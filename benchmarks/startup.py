@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tools"), str(REPO / "benchmarks")]
-from baselines import spread  # noqa: E402
+from baselines import rotated, spread  # noqa: E402
 from synthetic_digits import write_small_mnist  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main():
         times = {name: [] for name in commands}
         names = list(commands)
         for round_index in range(args.rounds):
-            for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            for name in rotated(names, round_index):
                 command = commands[name]
                 if "--data_dir" in command:
                     command = [*command, "--output_dir", str(Path(workdir) / "run")]

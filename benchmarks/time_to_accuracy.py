@@ -149,7 +149,11 @@ def main():
     parser.add_argument("--tables_from", metavar="JSON", help="measure nothing: print the table of a saved --output")
     args = parser.parse_args()
     if args.tables_from:
-        print(table(json.loads(Path(args.tables_from).read_text())))
+        try:
+            tables = table(json.loads(Path(args.tables_from).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            sys.exit(f"error: {args.tables_from} could not be read as this benchmark's --output ({error!r}): pass one it wrote.")
+        print(tables)
         return
     started = time.time()
     with tempfile.TemporaryDirectory() as workdir:

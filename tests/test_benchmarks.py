@@ -43,15 +43,17 @@ def test_throughput_benchmark_measures_every_variant(tmp_path):
 
 def test_the_throughput_benchmarks_refuse_what_they_cannot_report_in_one_sentence(tmp_path):
     """One epoch leaves none after the warm-up to report (before: max() of an empty sequence after the whole
-    measurement); a --tables_from file that is not the benchmark's own output ends in a sentence, not a traceback."""
+    measurement); a --tables_from file that is not the benchmark's own output (throughput.py's, time_to_accuracy.py's)
+    ends in a sentence, not a traceback."""
     for benchmark in ("throughput.py", "gpu_throughput.py"):
         refused = run([sys.executable, BENCHMARKS / benchmark, "--num_epochs", "1"], cwd=REPO, check=False)
         assert refused.returncode == 2 and "--num_epochs must be 2 or more" in refused.stderr, refused.stderr
     (tmp_path / "other.json").write_text('{"epoch": 1}')
-    for given in (tmp_path / "missing.json", tmp_path / "other.json"):
-        refused = run([sys.executable, BENCHMARKS / "throughput.py", "--tables_from", given], cwd=REPO, check=False)
-        assert refused.returncode == 1 and refused.stderr.startswith(f"error: {given} could not be read as this benchmark's"), refused.stderr
-        assert "Traceback" not in refused.stderr
+    for benchmark in ("throughput.py", "time_to_accuracy.py"):
+        for given in (tmp_path / "missing.json", tmp_path / "other.json"):
+            refused = run([sys.executable, BENCHMARKS / benchmark, "--tables_from", given], cwd=REPO, check=False)
+            assert refused.returncode == 1 and refused.stderr.startswith(f"error: {given} could not be read as this benchmark's"), refused.stderr
+            assert "Traceback" not in refused.stderr
 
 
 def test_a_record_still_being_written_is_not_read_by_the_benchmarks(tmp_path):
