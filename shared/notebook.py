@@ -28,7 +28,7 @@ def in_notebook(main, out_of_memory_advice="lower --batch_size"):
     kernel = os.getpid()
 
     def run(*args):
-        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")  # the user's, or none: a run sets its own store's
+        kernel_had = _what_the_kernel_had() if os.getpid() == kernel else None
         try:
             main(*args)
         except Stopped as stopped:  # a checkpoint saved on every process
@@ -50,22 +50,34 @@ def in_notebook(main, out_of_memory_advice="lower --batch_size"):
             run_folder.let_go()
             preemption.stop_watching()
             MADE_BY_THIS_RUN.clear()  # the kernel's next run, which fails, must not remove what this one made
-            if os.getpid() == kernel:
-                _forget_the_run(tracking_uri)
+            if kernel_had is not None:
+                _forget_the_run(*kernel_had)
     return run
 
 
-def _forget_the_run(tracking_uri):
-    """In the kernel after a run: accelerate keeps its state (the precision, the device) in the process for the next
-    Accelerator, which then quietly trained in this run's --mixed_precision where the next cell asked for none, refused
-    another with a traceback, and kept notebook_launcher from starting processes; accelerate has no public reset (its
-    own tests use this one). MLflow's store and run, which a failed run left active, go too."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+def _what_the_kernel_had():
+    """Before a run in the kernel: whether accelerate had state (an Accelerator of the user's own), MLflow's store as the
+    user set it (or none), and the user's own active MLflow run."""
+    mlflow = sys.modules.get("mlflow")
+    active = mlflow.active_run() if mlflow else None
+    return bool(AcceleratorState._shared_state), os.environ.get("MLFLOW_TRACKING_URI"), active.info.run_id if active else None
+
+
+def _forget_the_run(had_state, tracking_uri, users_run):
+    """In the kernel after a run, what the kernel had before it comes back. accelerate keeps its state (the precision, the
+    device) in the process for the next Accelerator, which then quietly trained in this run's --mixed_precision where the
+    next cell asked for none, refused another with a traceback, and kept notebook_launcher from starting processes: it
+    is reset, unless it was there before (the user's own Accelerator would lose it); accelerate has no public reset (its
+    own tests use this one). An MLflow run this run left active (it failed before end_training) ends in its own store,
+    then MLflow's store setting is the user's again."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow and (active := mlflow.active_run()) and active.info.run_id != users_run:
+        with contextlib.suppress(Exception):  # a store gone
+            mlflow.end_run("FAILED")
     os.environ.pop("MLFLOW_TRACKING_URI", None) if tracking_uri is None else os.environ.update(MLFLOW_TRACKING_URI=tracking_uri)
-    if "mlflow" in sys.modules:
-        with contextlib.suppress(Exception):  # nothing to end, or a store gone
-            sys.modules["mlflow"].end_run()
+    if not had_state:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 _held = threading.local()  # by the thread that forks: two threads may fork at once

@@ -29,9 +29,10 @@ STOP_WAIT_S = 30  # how long a signalled or failed run may take to end in these 
 
 
 def launch(*args, num_processes=2, launcher_flags=(), script=SCRIPTS / "cpu_gloo.py"):
-    """python scripts/launch.py --config_file cpu.yaml --num_processes N [launcher flags] cpu_gloo.py ..."""
+    """python scripts/launch.py --config_file cpu.yaml --num_processes N [launcher flags] cpu_gloo.py ..., on a port of this
+    test worker's own (conftest.launch_command says why)."""
     return [sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", num_processes,
-            *launcher_flags, script, *args]
+            "--main_process_port", free_port(), *launcher_flags, script, *args]
 
 
 def launch_one_process(*args):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, data_flags, launch_command, processes_naming, python, python_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, data_flags, free_port, launch_command, processes_naming, python, python_command, read_metrics, run, script_env
 
 # script -> (model class, extra flags that keep the test short, accuracy it must beat)
 SCRIPTS_UNDER_TEST = {
@@ -155,7 +155,7 @@ from accelerate import notebook_launcher
 from shared.notebook import in_notebook
 from toy_mlp import main
 
-notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2)
+notebook_launcher(in_notebook(main), args=(["--output_dir", {str(tmp_path / "run")!r}],), num_processes=2, use_port="{free_port()}")
 """
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell(cell)])
     run_in_a_kernel(notebook, tmp_path)
@@ -190,7 +190,7 @@ from accelerate import notebook_launcher
 from shared.notebook import in_notebook
 from cpu_gloo import main
 
-notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes={num_processes})
+notebook_launcher(in_notebook(main), args=([*{[str(flag) for flag in flags]!r}],), num_processes={num_processes}, use_port="{free_port()}")
 """
     common = ["--output_dir", tmp_path / "run", "--data_dir", small_data, "--num_epochs", "1", "--checkpointing_steps", "epoch"]
     # The kernel interrupted after the run (as Jupyter's interrupt button does), idle past preemption's grace
@@ -255,7 +255,7 @@ torch.optim.SGD.step = step_then_signal
     # Each run in the kernel starts afresh: the next cell's precision (before, bf16 again, without a word), and
     # notebook_launcher's processes (before, it refused to start them once the kernel had run an Accelerator).
     assert [read_metrics(tmp_path / name)[-1]["mixed_precision"] for name in ("bf16", "plain")] == ["bf16", "no"]
-    assert read_metrics(tmp_path / "pair")[-1]["world_size"] == 2
+    assert [record["world_size"] for record in read_metrics(tmp_path / "pair")] == [2], said[8]
     printed = "".join(output.get("text", "") for output in notebook.cells[-3].outputs if output.get("name") == "stdout")
     assert printed.endswith("interrupted\n"), notebook.cells[-3].outputs
     assert not (tmp_path / "interrupted").exists(), "as Ctrl-C: what it made goes"
