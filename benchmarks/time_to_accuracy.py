@@ -151,7 +151,7 @@ def main():
     if args.tables_from:
         try:
             tables = table(json.loads(Path(args.tables_from).read_text()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
             sys.exit(f"error: {args.tables_from} could not be read as this benchmark's --output ({error!r}): pass one it wrote.")
         print(tables)
         return
