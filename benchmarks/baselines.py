@@ -16,6 +16,7 @@ Each returns the global training samples per second of every epoch (rank 0's clo
 
 import functools
 import importlib.util
+import json
 import os
 import socket
 import statistics
@@ -253,6 +254,15 @@ def _worker(rank, world_size, port, threads, own_session, baseline, args, result
         results.put(rates)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def read_saved_output(path, read):
+    """read() of the JSON a benchmark's --output wrote at path (a benchmark's --tables_from), or one sentence
+    where the file is missing or not that benchmark's (read() raises on what it does not expect)."""
+    try:
+        return read(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
+        sys.exit(f"error: {path} could not be read as this benchmark's output ({error!r}): pass one it wrote.")
 
 
 def spread(values, digits):

@@ -210,6 +210,13 @@ def targets(rows):
                      f"rounds {min(values):.3f}-{max(values):.3f})" for name, values, bound in checks)
 
 
+def rows_of(saved):
+    """The rows of a saved --output, with their medians."""
+    if not saved:
+        raise ValueError("it holds no rows")
+    return [medians(row) for row in saved]
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -250,12 +257,7 @@ def main():
     if args.variants:
         args.variants = ["default_memory", *(name for name in args.variants if name != "default_memory")]
     if args.tables_from:
-        try:
-            rows = [medians(row) for row in json.loads(Path(args.tables_from).read_text())]
-            if not rows:
-                raise ValueError("it holds no rows")
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            sys.exit(f"error: {args.tables_from} could not be read as this benchmark's <output>.json ({error!r}): pass one it wrote.")
+        rows = baselines.read_saved_output(args.tables_from, rows_of)
         plot(rows, Path(args.tables_from).with_suffix(".png"))
         print(f"Tables of {args.tables_from}, {sum(len(r['rounds']) for r in rows) // len(rows)} rounds a row.\n")
     else:

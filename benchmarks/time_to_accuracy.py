@@ -149,11 +149,7 @@ def main():
     parser.add_argument("--tables_from", metavar="JSON", help="measure nothing: print the table of a saved --output")
     args = parser.parse_args()
     if args.tables_from:
-        try:
-            tables = table(json.loads(Path(args.tables_from).read_text()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
-            sys.exit(f"error: {args.tables_from} could not be read as this benchmark's --output ({error!r}): pass one it wrote.")
-        print(tables)
+        print(baselines.read_saved_output(args.tables_from, table))
         return
     started = time.time()
     with tempfile.TemporaryDirectory() as workdir:
