@@ -74,7 +74,10 @@ def _forget_the_run(had_state, tracking_uri, users_run):
     if mlflow and (active := mlflow.active_run()) and active.info.run_id != users_run:
         with contextlib.suppress(Exception):  # a store gone
             mlflow.end_run("FAILED")
-    os.environ.pop("MLFLOW_TRACKING_URI", None) if tracking_uri is None else os.environ.update(MLFLOW_TRACKING_URI=tracking_uri)
+    if tracking_uri is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     if not had_state:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
