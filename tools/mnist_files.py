@@ -33,10 +33,14 @@ def refuse_to_replace(data_dir, name):
 def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, test_labels):
     """Lay out arrays as torchvision expects <data_dir>/<name>/raw/, so it loads them with no network."""
     raw_folder = Path(data_dir) / name / "raw"
+    written = []
     try:
         raw_folder.mkdir(parents=True, exist_ok=True)
         for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
-            write_idx(raw_folder / file_name, array)
+            written.append(raw_folder / file_name)
+            write_idx(written[-1], array)
     except OSError as error:  # a file where a folder goes, a read-only or full disk
+        for path in written:  # a half-written set would make the next try refuse to replace it
+            path.unlink(missing_ok=True)
         sys.exit(f"error: {raw_folder} could not be written ({error}): pass a --data_dir you can write in.")
     return raw_folder
