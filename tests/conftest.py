@@ -273,6 +273,16 @@ def processes_naming(path):
     return [process for process in psutil.process_iter(["cmdline"]) if str(path) in " ".join(process.info["cmdline"] or [])]
 
 
+def rank_naming(path, rank):
+    """The training process of `rank` among the processes whose command line names `path`: a new interpreter, or
+    a fork's client, which passes a signal on to its fork and whose kill kills it (a launcher has no RANK)."""
+    for process in processes_naming(path):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("RANK") == str(rank):
+                return process
+    pytest.fail(f"no training process of rank {rank} names {path}")
+
+
 def read_state(checkpoint):
     return json.loads((checkpoint / STATE_FILE).read_text())
 

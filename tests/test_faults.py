@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, rank_naming, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -34,8 +34,8 @@ from shared.errors import LOST_PEER_EXIT_CODE
 LAUNCH = Path(__file__).resolve().parents[1] / "scripts" / "launch.py"
 PROBES = Path(__file__).resolve().parent / "probes"
 CRASH_PROBE = PROBES / "crash_in_save.py"
-# A run long enough to be killed in the middle: 512 samples in batches of 8, 12 epochs.
-FLAGS = ["--batch_size", "8", "--num_epochs", "12", "--checkpointing_steps", "50", "--log_interval", "1000"]
+# A run long enough to be killed in the middle: 512 samples in batches of 8, 4 epochs of 64 steps.
+FLAGS = ["--batch_size", "8", "--num_epochs", "4", "--checkpointing_steps", "50", "--log_interval", "1000"]
 KILL_DEADLINE_S = 30
 
 
@@ -84,14 +84,14 @@ def test_killed_rank_ends_the_job_and_resume_is_bitwise_equal(num_processes, sma
     reference = reference(num_processes)
 
     killed, victim_rank = tmp_path / "killed", num_processes - 1
-    job = subprocess.Popen([str(c) for c in training_command(num_processes, "--output_dir", killed, *args, script=PAUSE_PROBE)], cwd=tmp_path,
-                           env={**script_env(), **paused_at([160], tmp_path, [victim_rank])}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, *command = training_command(num_processes, "--output_dir", killed, *args, script=PAUSE_PROBE)
+    job = subprocess.Popen([str(c) for c in [python(), *command]], cwd=tmp_path, env={**script_env(), **paused_at([160], tmp_path, [victim_rank])},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not all_paused(tmp_path, [victim_rank], 160):  # the others wait for it in the step's check for a signal
         assert job.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.05)
-    victim = rank_process(psutil.Process(job.pid), victim_rank)
-    victim.kill()
+    (rank_naming(killed, victim_rank) if num_processes > 1 else psutil.Process(job.pid)).kill()  # a fork's client: its fork dies with it
     killed_at = time.monotonic()
     try:
         _, stderr = job.communicate(timeout=KILL_DEADLINE_S)
@@ -800,7 +800,7 @@ def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, rank
     """Launch 2 processes of the stuck_in_collective probe, signal `ranks` once they are in place; the
     seconds from the signal to the launcher's end, its exit code and its stderr."""
     tmp_path.mkdir(exist_ok=True)
-    command = [sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
+    command = [python(), LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
                tmp_path, *flags]
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
@@ -810,8 +810,7 @@ def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, rank
         time.sleep(0.05)
     assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
     time.sleep(0.5)  # rank 1 is inside the barrier, or both in their save
-    workers = [process for process in psutil.Process(job.pid).children(recursive=True)
-               if "stuck_in_collective" in " ".join(process.cmdline()) and process.environ().get("RANK") in ranks]
+    workers = [rank_naming(tmp_path, rank) for rank in ranks]
     signalled = time.monotonic()
     for worker in workers:
         worker.send_signal(stop_signal)

@@ -18,13 +18,13 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, loopback_machine, new_interpreter_env, paused_at, processes_naming, python_command, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, loopback_machine, new_interpreter_env, paused_at, processes_naming, python, python_command, rank_naming, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
 PROBES = SCRIPTS.parent / "tests" / "probes"
 # 512 samples in steps of 8: 64 steps an epoch, long enough to be interrupted in the middle.
-FLAGS = ["--batch_size", "8", "--num_epochs", "8", "--log_interval", "1000"]
+FLAGS = ["--batch_size", "8", "--num_epochs", "3", "--log_interval", "1000"]
 STOP_WAIT_S = 30  # how long a signalled or failed run may take to end in these tests
 
 
@@ -332,18 +332,18 @@ def test_restarts_after_killed_processes_finish_the_run_bitwise(small_data, refe
     a failed save's 1), and the resumed run ends with the weights of a run that never stopped."""
     args = ["--data_dir", small_data, *FLAGS, "--checkpointing_steps", "20", "--resume_from_checkpoint", "latest"]
     restarted = tmp_path / "restarted"
-    # Both processes wait after steps 70, 210 and 300 (tests/probes/pause_at_step.py), however busy the machine: one is
-    # killed in epoch 2, one exits 1 in epoch 4 after the first restart resumed, and the signal comes in epoch 5 (512 steps in all).
+    # Both processes wait after steps 70, 110 and 150 (tests/probes/pause_at_step.py), however busy the machine: one is
+    # killed in epoch 2, one exits 1 later in it after the first restart resumed, and the signal comes in epoch 3 (192 steps in all).
     job = start(launch("--output_dir", restarted, *args, launcher_flags=["--max_restarts", "3"], script=PAUSE_PROBE), tmp_path,
-                env={**script_env(), **paused_at([70, 210, 300], tmp_path)})
+                env={**script_env(), **paused_at([70, 110, 150], tmp_path)})
     wait_until(lambda: all_paused(tmp_path, (0, 1), 70), job, "the pause after step 70")
     training_process(job, random.randrange(2)).kill()
-    wait_until(lambda: all_paused(tmp_path, (0, 1), 210), job, "the pause after step 210")
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 110), job, "the pause after step 110")
     (tmp_path / f"exit_1_{random.randrange(2)}").touch()
-    wait_until(lambda: all_paused(tmp_path, (0, 1), 300), job, "the pause after step 300")
+    wait_until(lambda: all_paused(tmp_path, (0, 1), 150), job, "the pause after step 150")
     job.send_signal(signal.SIGUSR1)
     stdout, stderr = finish(job, 240)
-    assert job.returncode == 143 and f"Stopped by a signal to stop: saved {restarted / 'checkpoints' / 'step_00000300'}" in stderr, stderr[-3000:]
+    assert job.returncode == 143 and f"Stopped by a signal to stop: saved {restarted / 'checkpoints' / 'step_00000150'}" in stderr, stderr[-3000:]
     # (A progress bar cut short by the kill may stand before a line on the same terminal row.)
     restarts = [line[line.index("Restarting the run"):] for line in stderr.splitlines() if "Restarting the run" in line]
     assert [line.split(":")[0] for line in restarts] == ["Restarting the run (1 of 3 restarts)", "Restarting the run (2 of 3 restarts)"], stderr[-5000:]
@@ -491,10 +491,10 @@ def enter(namespace):
 
 
 def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch"), script=SCRIPTS / "cpu_gloo.py"):
-    """One machine's launch, inside its namespace: rank 0's host is the rendezvous; gloo uses the veth."""
+    """One machine's launch, inside its namespace, a fork of its host's server: rank 0's host is the rendezvous; gloo uses the veth."""
     namespace, device, _, fork_server_dir = hosts[machine_rank]
     return [*enter(namespace), "env", f"GLOO_SOCKET_IFNAME={device}", f"FORK_SERVER_DIR={fork_server_dir}",
-            *[f"{name}={value}" for name, value in HOST_ENV.items()], sys.executable, *launcher,
+            *[f"{name}={value}" for name, value in HOST_ENV.items()], python(), *launcher,
             "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2", "--machine_rank", machine_rank,
             "--main_process_ip", hosts[0][2], "--main_process_port", port, script, *args]
 
@@ -504,12 +504,9 @@ def start_machines(hosts, cwd, *args, env=None, **launch):
     return [start(machine_command(hosts, rank, port, *args, **launch), cwd, env) for rank in (0, 1)]
 
 
-def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, small_data, tmp_path):
+def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, small_data, reference, tmp_path):
     hosts, ip = two_hosts
-    args = ["--data_dir", small_data, *FLAGS, "--num_epochs", "4"]  # 256 steps: each phase has room
-    single = tmp_path / "single"
-    run(launch("--output_dir", single, *args), cwd=tmp_path)
-    assert_world_size(single)
+    args = ["--data_dir", small_data, *FLAGS]
 
     # The second host's own copy of the data is another data set of the same size: both hosts stop
     # before the first step, saying so once each, and make no run folder.
@@ -551,7 +548,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert f"Resumed from {cut / 'checkpoints' / 'step_00000020'}: epoch 1, " in outputs[0][0], "step 20, the newest before the cut at step 30"
     assert_world_size(cut)
-    assert_same_weights(weights(single), weights(cut))
+    assert_same_weights(weights(reference), weights(cut))
 
     # --max_restarts across the two hosts: a process on the second host is killed, both hosts
     # restart their processes, which resume from the newest checkpoint and finish the run.
@@ -561,7 +558,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
                               "--resume_from_checkpoint", "latest", launcher=(SCRIPTS / "launch.py", "--max_restarts", "2"),
                               script=PAUSE_PROBE, env={**script_env(), **paused_at([70], tmp_path / "restart_pause")})
     wait_until(lambda: all_paused(tmp_path / "restart_pause", (0, 1), 70), machines[1], "the pause after step 70")
-    training_process(machines[1], 1).kill()  # global rank 1: the second host's process
+    rank_naming(restarted, 1).kill()  # global rank 1: the second host's process (a fork's client: its fork dies with it)
     outputs = [finish(machine, 240) for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     # The machine whose process was lost counts a restart; the other rejoins it (and says so).
@@ -569,4 +566,4 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     assert "Restarting this machine's processes to rejoin" in outputs[0][1], outputs[0][1][-2000:]
     assert not any("Traceback" in stderr for _, stderr in outputs), outputs[0][1][-2000:] + outputs[1][1][-2000:]
     assert_world_size(restarted)
-    assert_same_weights(weights(single), weights(restarted))
+    assert_same_weights(weights(reference), weights(restarted))
