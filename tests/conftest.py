@@ -226,6 +226,21 @@ def small_disk(folder, size):
 # A command's prefix that runs it without the capabilities that let root read and write any folder (util-linux's setpriv).
 AS_AN_ORDINARY_USER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
 
+
+@pytest.fixture(scope="session")
+def run_as_an_ordinary_user(fork_servers):
+    """run(), without the capabilities that let root read and write any folder (AS_AN_ORDINARY_USER): as an ordinary
+    user would. A `python` command is a fork of a fork server started so: a fork of the others would keep them."""
+    folder, servers = start_fork_servers([{}], prefix=AS_AN_ORDINARY_USER)
+
+    def run_it(command, cwd, check=True):
+        command = [str(part) for part in command]
+        if command[0] == sys.executable:
+            command[0] = python()
+        return run(AS_AN_ORDINARY_USER + command, cwd, check=check, env={**script_env(), "FORK_SERVER_DIR": str(folder)})
+    yield run_it
+    stop_fork_servers(folder, servers)
+
 PAUSE_PROBE = Path(__file__).resolve().parent / "probes" / "pause_at_step.py"
 
 

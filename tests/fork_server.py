@@ -4,8 +4,8 @@ a suite starts skip the 4 s of CPU that each new interpreter spends importing to
 the torch._dynamo that an optimizer's first step imports (benchmarks/README.md#start-up).
 
 A fork stands in for a new interpreter only where it would run the same: the client's namespaces
-(`ip netns exec` gives another network), resource limits, user and import-time environment
-(fork_client.IMPORT_TIME_ENV) must be this server's, and the command `[-u] [-B]` followed by
+(`ip netns exec` gives another network), resource limits, capabilities (setpriv drops some), user
+and import-time environment (fork_client.IMPORT_TIME_ENV) must be this server's, and the command `[-u] [-B]` followed by
 `script.py`, `-m module` or `-c code`; otherwise the client starts a new interpreter. The child takes
 the client's open files (at their numbers), folder, umask, CPU set and environment, runs the command
 as __main__ and ends as the interpreter would: its exit code, the traceback of an uncaught exception,
@@ -189,9 +189,16 @@ def parse_command(argv):
 def same_context(peer):
     try:
         return (all(os.readlink(f"/proc/{peer}/ns/{name}") == os.readlink(f"/proc/self/ns/{name}") for name in NAMESPACES)
-                and all(resource.prlimit(peer, limit) == resource.getrlimit(limit) for limit in LIMITS))
+                and all(resource.prlimit(peer, limit) == resource.getrlimit(limit) for limit in LIMITS)
+                and capabilities(peer) == capabilities("self"))
     except OSError:
         return False
+
+
+def capabilities(pid):
+    """A process's capability sets: a client without root's (setpriv) must not get a fork that has them."""
+    with open(f"/proc/{pid}/status") as status:
+        return [line for line in status if line.startswith("Cap")]
 
 
 def become(request, fds, peer, options, kind, target, args):

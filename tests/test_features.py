@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import AS_AN_ORDINARY_USER, SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, error_lines, launch_command, python_command, read_metrics, run, script_env, two_machines
+from conftest import SCRIPTS, TOOLS, checkpoint_damage, checkpoints_in, data_flags, error_lines, launch_command, python_command, read_metrics, run, script_env, two_machines
 from synthetic_digits import write_hub_dataset, write_small_mnist
 from test_scripts import load_script_module
 
@@ -165,7 +165,8 @@ def test_checkpoint_names_pruning_and_latest(data_dir, tmp_path):
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
-def test_an_old_checkpoint_that_cannot_be_deleted_stays_with_a_warning(small_data, tmp_path):
+@pytest.mark.xdist_group("mistakes")  # on the test process whose ordinary user's fork server test_mistakes.py started
+def test_an_old_checkpoint_that_cannot_be_deleted_stays_with_a_warning(small_data, tmp_path, run_as_an_ordinary_user):
     """Pruning comes after the new checkpoint is complete: an old one that cannot be deleted (another
     user's files, say) is left, renamed so that it is no checkpoint, with a warning, and the run goes on.
     Before, the run stopped, saying that the complete new checkpoint could not be written. The run has no
@@ -175,8 +176,8 @@ def test_an_old_checkpoint_that_cannot_be_deleted_stays_with_a_warning(small_dat
     (run_dir / "model.safetensors").unlink()  # killed before its model was saved
     (run_dir / "checkpoints" / "step_00000002").chmod(0o555)  # its files cannot be deleted
     try:
-        result = run(AS_AN_ORDINARY_USER + python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--num_epochs", "2",
-                                                      "--keep_last_checkpoints", "1", "--resume_from_checkpoint", "latest"), cwd=tmp_path)
+        result = run_as_an_ordinary_user(python_command("cpu_gloo.py", "--output_dir", run_dir, *flags, "--num_epochs", "2",
+                                                        "--keep_last_checkpoints", "1", "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     finally:
         (run_dir / "checkpoints" / ".pruned_step_00000002").chmod(0o755)
     assert result.stderr.count("warning: could not delete the old checkpoint") == 1, result.stderr  # renamed, it is no longer listed

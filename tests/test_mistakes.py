@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (AS_AN_ORDINARY_USER, CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, read_metrics, run,
+from conftest import (CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, read_metrics, run,
                       script_env, scripts_of)
 from synthetic_digits import write_small_mnist
 
@@ -502,7 +502,7 @@ def test_show_traceback_adds_the_full_traceback_for_bug_reports(place):
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
-def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, tmp_path):
+def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, tmp_path, run_as_an_ordinary_user):
     """A colleague's drwx------ checkpoint: the folder is seen, but what it holds cannot be read. The
     script runs without the capabilities that let root read any folder (setpriv), as an ordinary user would."""
     checkpoint = tmp_path / "colleague" / "run" / "step_00000004"
@@ -515,8 +515,8 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
             (checkpoint.parent, model_file, model_file, ["--eval_only"])):
         locked.chmod(0o000)
         try:
-            result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--resume_from_checkpoint", named, *flags, output=tmp_path / "mine"),
-                         cwd=tmp_path, check=False)
+            result = run_as_an_ordinary_user(cpu_gloo(place, "--resume_from_checkpoint", named, *flags, output=tmp_path / "mine"),
+                                             cwd=tmp_path, check=False)
         finally:
             locked.chmod(0o755)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -527,7 +527,7 @@ def test_a_checkpoint_folder_this_user_cannot_enter_ends_in_one_sentence(place, 
     weights = checkpoint / "model.safetensors"  # a file of it this user cannot read: before, a traceback on rank 0, then "damaged"
     weights.chmod(0o000)
     try:
-        result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--resume_from_checkpoint", checkpoint, output=tmp_path / "mine"), cwd=tmp_path, check=False)
+        result = run_as_an_ordinary_user(cpu_gloo(place, "--resume_from_checkpoint", checkpoint, output=tmp_path / "mine"), cwd=tmp_path, check=False)
     finally:
         weights.chmod(0o644)
     assert result.returncode == 1 and result.stderr.splitlines() == [
@@ -569,7 +569,7 @@ def test_an_overwrite_replaces_what_a_run_killed_as_its_tracker_started_left_asi
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
 @pytest.mark.parametrize("left", ["read-only checkpoints folder", "read-only checkpoint", "folder named model.safetensors"])
-def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_path, left):
+def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_path, left, run_as_an_ordinary_user):
     """--overwrite_output_dir sets the earlier run aside, each file and folder by one rename, and deletes it once nothing
     refuses the new run. A checkpoints folder this user may not move (its `..` cannot change): one sentence, and the
     run put back as it was. A checkpoint whose files this user may not delete: the new run trains, and a warning names
@@ -585,7 +585,7 @@ def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_
         (earlier / "model.safetensors").mkdir()
     before = folder_snapshot(earlier)
     try:
-        result = run(AS_AN_ORDINARY_USER + cpu_gloo(place, "--overwrite_output_dir", "--num_epochs", "1", output=earlier), cwd=tmp_path, check=False)
+        result = run_as_an_ordinary_user(cpu_gloo(place, "--overwrite_output_dir", "--num_epochs", "1", output=earlier), cwd=tmp_path, check=False)
     finally:
         for folder in earlier.rglob("*"):
             if folder.is_dir():
@@ -612,7 +612,7 @@ def test_an_earlier_run_that_overwrite_cannot_move_or_delete_is_said(place, tmp_
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux's setpriv")
 @pytest.mark.parametrize("mistake", ["data_dir", "output_dir", "output_dir, toy_mlp", "read-only output_dir, toy_mlp", "script"])
-def test_a_folder_this_user_cannot_enter_or_write_in_ends_in_one_sentence(place, tmp_path, mistake):
+def test_a_folder_this_user_cannot_enter_or_write_in_ends_in_one_sentence(place, tmp_path, mistake, run_as_an_ordinary_user):
     """A --data_dir, --output_dir or script inside a colleague's drwx------ folder: pathlib's exists() and
     is_file() raise PermissionError there (os.path's say False), which ended in a traceback; toy_mlp.py
     in a folder it cannot write in trained, then failed at its first record. Run without root's
@@ -640,7 +640,7 @@ def test_a_folder_this_user_cannot_enter_or_write_in_ends_in_one_sentence(place,
     locked.chmod(0o000)
     read_only.chmod(0o555)
     try:
-        result = run(AS_AN_ORDINARY_USER + [str(part) for part in command], cwd=tmp_path, check=False)
+        result = run_as_an_ordinary_user(command, tmp_path, check=False)
     finally:
         locked.chmod(0o755)
     assert result.returncode == 1 and result.stderr.splitlines() == [f"error: {sentence}"], result.stderr[-3000:]
