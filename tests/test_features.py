@@ -26,11 +26,13 @@ FEATURE_RUNS = {
     "mnist_conv.py": (["--num_epochs", "2"], 40, "Net", True),
     "cpu_gloo.py": (["--num_epochs", "2"], 40, "SimpleNet", False),
 }
-# Checkpoints and resume at several processes: cpu_gloo at 2, and at 3 and 4, where the order of the
-# all-reduce's sums can differ (unlike at 2), cpu_gloo in steps of 48 and the BatchNorm net, the one
-# issue 25 measured, on small_data (8 steps an epoch). -> (extra flags, checkpoint step, data fixture)
-MULTI_PROCESS_RESUMES = {("cpu_gloo.py", 2): ([], 40, "data_dir"), ("cpu_gloo.py", 3): (["--batch_size", "48"], 50, "data_dir"),
-                         ("mnist_conv.py", 4): (["--max_train_steps", "12"], 10, "small_data")}
+# Checkpoints and resume, where the runs differ from FEATURE_RUNS': the conv net, whose steps cost most, on
+# small_data (8 steps an epoch); at several processes, cpu_gloo at 2, and at 3, where the order of the all-reduce's
+# sums can differ (unlike at 2) and the fixed gradient layout is on (shared/ddp_options.py), the BatchNorm net,
+# the one issue 25 measured, in steps of 48 (11 steps an epoch, the last of 32 samples split unevenly).
+# -> (extra flags, checkpoint step, data fixture)
+RESUME_RUNS = {("mnist_conv.py", None): (["--max_train_steps", "12"], 10, "small_data"), ("cpu_gloo.py", 2): ([], 40, "data_dir"),
+               ("mnist_conv.py", 3): (["--batch_size", "48", "--max_train_steps", "16"], 13, "small_data")}
 MEASURED_KEYS = {"elapsed_s", "samples_per_sec", "peak_memory_mb"}  # of the machine, not of the training
 
 
@@ -100,12 +102,12 @@ def resume_from(source_dir, checkpoint, target_dir):
 
 @pytest.mark.parametrize("script, num_processes", [
     pytest.param(script, None, marks=[pytest.mark.smoke] if script == "cpu_gloo.py" else []) for script in sorted(FEATURE_RUNS)
-] + list(MULTI_PROCESS_RESUMES))
+] + [key for key in RESUME_RUNS if key[1]])
 def test_checkpoints_change_nothing_and_a_mid_epoch_resume_ends_bitwise_equal(script, num_processes, request, tmp_path):
     """A run without checkpoints, the same run saving them, and that run resumed from a checkpoint in the
-    middle of epoch 2 end with bitwise the same weights and records, at 1, 2, 3 and 4 processes."""
+    middle of epoch 2 end with bitwise the same weights and records, at 1, 2 and 3 processes."""
     flags, step, _, _ = FEATURE_RUNS[script]
-    extra, step, data = MULTI_PROCESS_RESUMES.get((script, num_processes), ([], step, "data_dir"))
+    extra, step, data = RESUME_RUNS.get((script, num_processes), ([], step, "data_dir"))
     data_dir = request.getfixturevalue(data)
     flags = [*flags, *extra]
     plain, _ = train(script, tmp_path, "plain", *flags, num_processes=num_processes, data_dir=data_dir)
