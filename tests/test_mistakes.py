@@ -453,23 +453,13 @@ def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_c
 
 def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
-    (cpu.yaml would start 4, each importing torch before its parser could answer)."""
-    import psutil
-
-    command = [str(part) for part in launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--batch_size", "0")]
-    job = subprocess.Popen(command, cwd=place, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    launcher, started = psutil.Process(job.pid), set()
-    while job.poll() is None:
-        try:  # (imports may run short helper commands; a training process runs the script)
-            started.update(" ".join(child.cmdline()) for child in launcher.children(recursive=True))
-        except psutil.Error:
-            pass
-        time.sleep(0.01)
-    stderr = job.stderr.read()
-    assert job.returncode == 1 and stderr.splitlines() == [
+    (cpu.yaml would start 4, each importing torch before its parser could answer). torchrun starts its training
+    processes through PYTHON_EXEC, the fork client here: each would be among the forks."""
+    before = len(forked_commands())
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--batch_size", "0"), cwd=place, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
         "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."]
-    # (A fork of the launcher carries its command line until it execs a helper: not a training process.)
-    assert not [command for command in started if "cpu_gloo.py" in command and "launch.py" not in command], "no training process was started"
+    assert scripts_of(forked_commands()[before:]) == ["launch.py"], "the launcher alone, no training process"
 
 
 def test_a_ddp_flag_under_fsdp_is_answered_in_one_sentence(place):
