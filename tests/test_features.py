@@ -443,7 +443,8 @@ def test_max_train_steps_counts_optimizer_steps_at_any_world_size(data_dir, tmp_
 # -- eval-only ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("script", ["mnist_conv.py", "seq_net.py"])  # the BatchNorm net, and one without; the loops are one (test_drift.py)
-def test_eval_only_from_checkpoint_and_from_model_file(script, data_dir, tmp_path):
+def test_eval_only_from_checkpoint_and_from_model_file(script, small_data, tmp_path):
+    data_dir = small_data  # a quarter of data_dir: the conv net's epoch costs most
     flags = [*data_flags(script, data_dir), "--num_epochs", "1", "--checkpointing_steps", "epoch"]
     run_dir, _ = train(script, tmp_path, "run", *flags)
     last = read_metrics(run_dir)[-1]
