@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -270,6 +271,20 @@ def spread(values, digits):
     if any(value is None for value in values):
         return "not reached"
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def measured_with():
+    """What a result was measured with, saved beside it: the commit (and whether the checkout had changes), the
+    versions that set the speed, the machine's cores and the date."""
+    import accelerate
+
+    def git(*args):
+        result = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return {"commit": commit and commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else ""),
+            "torch": torch.__version__, "accelerate": accelerate.__version__, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
 
 
 def rotated(names, turn):

@@ -59,7 +59,8 @@ def main():
             for processes in args.processes:
                 for hook in baselines.rotated(args.hooks, round_index):
                     records, seen = run(processes, hook, args.data_dir, Path(workdir) / "run")
-                    rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen)})
+                    rows.append({"round": round_index, "processes": processes, "hook": hook, **measure(records, seen),
+                                 "measured_with": baselines.measured_with()})
                     print(f"round {round_index} {processes} processes {hook}: {rows[-1]}", file=sys.stderr, flush=True)
     Path(args.output).write_text(json.dumps(rows, indent=1))
     print(f"cpu_gloo.py, default flags, {args.rounds} rounds; time to eval accuracy {TARGET}\n")

@@ -118,8 +118,8 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         rows = measure(args.settings, args.batch_size, args.large_batch, args.num_epochs, args.train_samples, workdir)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU: {platform.machine()} CPU, a check of the command only"
-    Path(args.output).write_text(json.dumps({"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                                             "train_samples": args.train_samples, "rows": rows}, indent=1))
+    Path(args.output).write_text(json.dumps({"device": device, **baselines.measured_with(), "train_samples": args.train_samples, "rows": rows},
+                                            indent=1))
     print(f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; {args.train_samples:,} training samples; "
           f"{time.time() - started:.0f} s.\n")
     print(table(rows))

@@ -139,7 +139,8 @@ def measure(scripts, process_counts, num_epochs, repeats, workdir, json_path, tr
                 rounds.append({name: runs[name]() for name in order})
                 print(f"measured {script} x{processes}, round {round_index + 1}/{repeats}: "
                       + ", ".join(f"{name} {rounds[-1][name]:,.0f}" for name in names), file=sys.stderr, flush=True)
-            row = {"script": script, "processes": processes, "batch_size": baselines.script_defaults(script).batch_size, "rounds": rounds}
+            row = {"script": script, "processes": processes, "batch_size": baselines.script_defaults(script).batch_size, "rounds": rounds,
+                   "measured_with": baselines.measured_with()}
             rows.append(row)
             Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows

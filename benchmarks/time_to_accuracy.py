@@ -119,7 +119,7 @@ def measure(scripts, data_dir, rounds, max_epochs, workdir, json_path):
             print(f"measured {script}, round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{name} {'-' if s is None else f'{s:.1f} s'} (epoch {e})" for name, (s, e) in results[-1].items()),
                 file=sys.stderr, flush=True)
-        rows.append({"script": script, "target": target, "max_epochs": max_epochs, "rounds": results})
+        rows.append({"script": script, "target": target, "max_epochs": max_epochs, "rounds": results, "measured_with": baselines.measured_with()})
         Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
 

@@ -5,6 +5,7 @@ produced them working.
 """
 
 import json
+import os
 import re
 import sys
 import time
@@ -13,6 +14,16 @@ from conftest import CONFIGS, REPO, SCRIPTS, new_interpreter_env, processes_nami
 
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks' own modules, for the tests that read them
+
+
+def assert_measured_here(measured):
+    """A result's record of what measured it: this checkout's commit, the versions and cores of this machine, today."""
+    import accelerate
+    import torch
+
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+changes)?", measured["commit"]), measured
+    assert (measured["torch"], measured["accelerate"], measured["cpus"]) == (torch.__version__, accelerate.__version__, os.cpu_count())
+    assert measured["date"] == time.strftime("%Y-%m-%d")
 
 
 def test_the_baselines_build_the_optimizer_each_script_builds():
@@ -33,6 +44,7 @@ def test_throughput_benchmark_measures_every_variant(tmp_path):
 
     (row,) = json.loads((tmp_path / "throughput.json").read_text())
     assert (row["script"], row["processes"], row["batch_size"]) == ("cpu_gloo.py", 2, 64)
+    assert_measured_here(row["measured_with"])
     assert all(row["rounds"][0][name] > 0 for name in COLUMNS), row
     assert (tmp_path / "throughput.png").stat().st_size > 0
     rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py | 2 |")]
@@ -71,6 +83,7 @@ def test_gpu_benchmark_command_runs_without_a_gpu(tmp_path):
                   "--train_samples", "512", "--large_batch", "128", "--num_epochs", "2", "--output", tmp_path / "gpu.json"], cwd=REPO)
     results = json.loads((tmp_path / "gpu.json").read_text())
     assert results["device"].startswith("no GPU")
+    assert_measured_here(results)
     (row,) = results["rows"]
     assert (row["batch_size"], row["mixed_precision"], row["channels_last"], row["compile"]) == (128, "bf16", True, False)
     assert row["script"] > 0 and row["ceiling"] > 0
@@ -89,6 +102,7 @@ def test_time_to_accuracy_benchmark_times_every_variant(data_dir, tmp_path):
     result = run([sys.executable, BENCHMARKS / "time_to_accuracy.py", "--data_dir", data_dir, "--scripts", "cpu_gloo.py",
                   "--rounds", "1", "--max_epochs", "3", "--output", tmp_path / "tta.json"], cwd=REPO)
     (row,) = json.loads((tmp_path / "tta.json").read_text())
+    assert_measured_here(row["measured_with"])
     seconds = {name: value for name, (value, _) in row["rounds"][0].items()}
     assert set(seconds) == {"script x1", "script x2", "tutorial x1", "tutorial x2"} and all(s and s > 0 for s in seconds.values()), row
     assert [line.count("|") for line in result.stdout.splitlines() if line.startswith("| cpu_gloo.py |")] == [9, 9], result.stdout
@@ -141,4 +155,5 @@ def test_comm_hooks_benchmark_runs_each_hook(data_dir, tmp_path):
     rows = json.loads((tmp_path / "hooks.json").read_text())
     assert {(row["processes"], row["hook"]) for row in rows} == {(4, "no"), (4, "power_sgd")}
     assert all(row["step_ms"] > 0 and 0.1 < row["accuracy"] <= 1 for row in rows), rows
+    assert_measured_here(rows[0]["measured_with"])
     assert [line.split(" | ")[1] for line in result.stdout.splitlines() if line.startswith("| 4 |")] == ["no", "power_sgd"], result.stdout
