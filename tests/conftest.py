@@ -289,11 +289,11 @@ def processes_naming(path):
 
 
 def rank_naming(path, rank):
-    """The training process of `rank` among the processes whose command line names `path`: a new interpreter, or
+    """The training process of `rank` among the processes that have `path` as an argument: a new interpreter, or
     a fork's client, which passes a signal on to its fork and whose kill kills it (a launcher has no RANK)."""
-    for process in processes_naming(path):
+    for process in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if process.environ().get("RANK") == str(rank):
+            if str(path) in (process.info["cmdline"] or []) and process.environ().get("RANK") == str(rank):
                 return process
     pytest.fail(f"no training process of rank {rank} names {path}")
 

@@ -168,12 +168,17 @@ def test_profile_at_four_processes_gathers_every_rank(data_dir, tmp_path):
 def test_profile_on_one_process_and_a_run_too_short_to_profile(data_dir, tmp_path):
     """A trace of a process this run does not have (left by an earlier launch at 2) goes: the table is this run's.
     Profiled and tracked, one process trains the weights of the same run without either."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     (tmp_path / "profiled" / "profile").mkdir(parents=True)
     (tmp_path / "profiled" / "profile" / "trace_rank1.json").write_text('{"traceEvents": []}')
     plain, _ = train("mnist_conv.py", tmp_path, "plain", "--max_train_steps", "14", data_dir=data_dir)
     profiled, result = train("mnist_conv.py", tmp_path, "profiled", "--max_train_steps", "14", "--profile", *TRACKED, data_dir=data_dir)
     assert read_metrics(profiled)[-1]["world_size"] == 1 and all((profiled / store).exists() for store in ("tensorboard", "mlflow.db"))
     assert_same_weights(weights(plain), weights(profiled))
+    accuracy = EventAccumulator(str(next((profiled / "tensorboard").iterdir()))).Reload().Scalars("eval_accuracy")  # mnist_conv's log
+    assert [event.step for event in accuracy] == [record["epoch"] for record in read_metrics(profiled)]
+    assert [event.value for event in accuracy] == pytest.approx([record["eval_accuracy"] for record in read_metrics(profiled)])
     _, (row,) = step_time_table(profiled / "profile", tmp_path)
     assert row["process"] == 0 and row["forward"] > 0 and row["all-reduce wait"] == 0
     short, result = train("cpu_gloo.py", tmp_path, "short", "--max_train_steps", "3", "--profile", data_dir=data_dir)

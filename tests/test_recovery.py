@@ -74,11 +74,14 @@ def epochs_done(output_dir):
     return lambda: (output_dir / "metrics.jsonl").exists() and len(read_metrics(output_dir)) >= 1
 
 
-def finish(job, timeout):
+def finish(job, timeout, output_dir=None):
+    """The job's output once it ends within timeout; else it and its processes (those naming output_dir too: a forked
+    launcher's are not its client's children) are killed, and the test fails with them listed."""
     try:
         return job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         descendants = psutil.Process(job.pid).children(recursive=True)  # some in sessions of their own, as torchrun starts them
+        descendants += processes_naming(output_dir) if output_dir else []
         tree = [f"{process.pid} {process.status()} {' '.join(process.cmdline())[-120:]}" for process in descendants]
         for process in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -536,7 +539,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     (tmp_path / "cut_pause" / "go").touch()
     cut_at = time.monotonic()
     for machine in machines:
-        _, stderr = finish(machine, timeout_s + 60)
+        _, stderr = finish(machine, timeout_s + 60, cut)
         assert machine.returncode != 0
         # The process says why it stopped; the launcher, that no process of its machine was lost.
         assert "] stopped: no answer from another process within --ddp_timeout" in stderr, stderr[-3000:]
@@ -544,7 +547,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     print(f"both hosts stopped {time.monotonic() - cut_at:.1f} s after the link went down")
     ip("link", "set", hosts[0][1], "up", namespace=hosts[0][0])
     machines = start_machines(hosts, tmp_path, "--output_dir", cut, *cut_args, "--resume_from_checkpoint", "latest")
-    outputs = [finish(machine, 240) for machine in machines]
+    outputs = [finish(machine, 240, cut) for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert f"Resumed from {cut / 'checkpoints' / 'step_00000020'}: epoch 1, " in outputs[0][0], "step 20, the newest before the cut at step 30"
     assert_world_size(cut)
@@ -559,7 +562,7 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
                               script=PAUSE_PROBE, env={**script_env(), **paused_at([70], tmp_path / "restart_pause")})
     wait_until(lambda: all_paused(tmp_path / "restart_pause", (0, 1), 70), machines[1], "the pause after step 70")
     rank_naming(restarted, 1).kill()  # global rank 1: the second host's process (a fork's client: its fork dies with it)
-    outputs = [finish(machine, 240) for machine in machines]
+    outputs = [finish(machine, 240, restarted) for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     # The machine whose process was lost counts a restart; the other rejoins it (and says so).
     assert "Restart 1 after a lost process: resumed from" in outputs[1][0], outputs[1][0][-2000:]

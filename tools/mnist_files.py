@@ -5,6 +5,7 @@ the scripts read it as they read the downloaded files (the torchvision pipeline 
 loading code), with no network.
 """
 
+import contextlib
 import struct
 import sys
 from pathlib import Path
@@ -37,10 +38,12 @@ def write_mnist_layout(data_dir, name, train_images, train_labels, test_images, 
     try:
         raw_folder.mkdir(parents=True, exist_ok=True)
         for file_name, array in zip(RAW_FILES, (train_images, train_labels, test_images, test_labels)):
-            written.append(raw_folder / file_name)
-            write_idx(written[-1], array)
+            if not (raw_folder / file_name).exists():
+                written.append(raw_folder / file_name)
+            write_idx(raw_folder / file_name, array)
     except OSError as error:  # a file where a folder goes, a read-only or full disk
         for path in written:  # a half-written set would make the next try refuse to replace it
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
         sys.exit(f"error: {raw_folder} could not be written ({error}): pass a --data_dir you can write in.")
     return raw_folder
