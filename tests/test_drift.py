@@ -29,11 +29,13 @@ REFERENCE_ONLY = ("if args.channels_last:", "model = model.to(memory_format=", "
 
 
 def main_lines(source):
-    """The lines of code of evaluate() and main(), stripped of indentation and comments."""
+    """The lines of code of evaluate() and main(), comments aside, with their indentation: a line moved into or
+    out of a block (zero_grad out of `with accelerator.accumulate`, a save under `if accelerator.is_main_process:`)
+    differs."""
     lines = []
     for function in (node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in ("evaluate", "main")):
-        code = (line.split("  # ")[0].strip() for line in source.splitlines()[function.lineno - 1:function.end_lineno])
-        lines += [line for line in code if line and not line.startswith("#")]
+        code = (line.split("  # ")[0].rstrip() for line in source.splitlines()[function.lineno - 1:function.end_lineno])
+        lines += [line for line in code if line.strip() and not line.strip().startswith("#")]
     return lines
 
 
@@ -42,7 +44,7 @@ def drifted_lines(script, source):
     allowed = EVERY_SCRIPT + OWN_LINES[script] + REFERENCE_ONLY
     reference = main_lines((SCRIPTS / REFERENCE).read_text())
     return [line for line in difflib.ndiff(reference, main_lines(source))
-            if line[:2] in ("- ", "+ ") and not line[2:].startswith(allowed)]
+            if line[:2] in ("- ", "+ ") and not line[2:].lstrip().startswith(allowed)]
 
 
 @pytest.mark.parametrize("script", sorted(OWN_LINES))
@@ -54,4 +56,8 @@ def test_a_change_to_one_script_alone_is_caught():
     source = (SCRIPTS / "cpu_gloo.py").read_text()
     changed = source.replace("accelerator.backward(loss)", "loss.backward()")
     assert changed != source
-    assert drifted_lines("cpu_gloo.py", changed) == ["- accelerator.backward(loss)", "+ loss.backward()"]
+    assert [(line[0], line[2:].strip()) for line in drifted_lines("cpu_gloo.py", changed)] == [
+        ("-", "accelerator.backward(loss)"), ("+", "loss.backward()")]
+    moved = source.replace("                    optimizer.zero_grad()\n", "                optimizer.zero_grad()\n")  # out of accumulate()'s block
+    assert moved != source and [(line[0], line[2:].strip()) for line in drifted_lines("cpu_gloo.py", moved)] == [
+        ("-", "optimizer.zero_grad()"), ("+", "optimizer.zero_grad()")]

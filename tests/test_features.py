@@ -635,8 +635,9 @@ def test_plot_metrics_draws_runs_side_by_side(data_dir, tmp_path):
     run([sys.executable, TOOLS / "plot_metrics.py", one, two, toy, "-o", png], cwd=tmp_path)
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1500, 400)
-        colors = image.convert("RGB").getcolors(maxcolors=1_000_000)
-    assert len(colors) > 50, "more than a blank canvas"
+        pixels = {color: count for count, color in image.convert("RGB").getcolors(maxcolors=1_000_000)}
+    for line_color in ((0x1f, 0x77, 0xb4), (0xff, 0x7f, 0x0e), (0x2c, 0xa0, 0x2c)):  # matplotlib's first three: a line for each run
+        assert pixels.get(line_color, 0) > 100, line_color
     # No records, an empty file, a damaged line before the last: one sentence each.
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").touch()

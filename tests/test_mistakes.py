@@ -4,6 +4,7 @@ trace, and the files of an earlier run in the same place unchanged."""
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,7 +333,10 @@ def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     if command[0] == "env":  # its variables go in run()'s env, so that the python command after them may fork
         settings = list(itertools.takewhile(lambda part: "=" in part, command[1:]))
         variables, command = dict(setting.split("=", 1) for setting in settings), command[1 + len(settings):]
+    started = len(forked_commands())
     result = run(command, cwd=place, check=False, env={**script_env(), **variables})
+    if processes := re.search(r"(\d) processes", mistake):  # all of them started, and stopped together: not one alone
+        assert len([script for script in scripts_of(forked_commands()[started:]) if script != "launch.py"]) == int(processes[1])
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     lines = [line.removeprefix("error: ") for line in error_lines(result.stderr)]
@@ -388,7 +392,9 @@ def test_running_out_of_memory_ends_in_one_sentence_that_says_what_to_lower(tmp_
     CUDA's torch.OutOfMemoryError (raised by the probe: no GPU here), or that error wrapped in torch.compile's
     BackendCompilerFailed, which says it only in its message. Before, a traceback of each (of the last, until 2026-11-27)."""
     probe = [PROBES / "out_of_memory.py", *([allocator] if allocator != "cpu" else [])]
+    started = len(forked_commands())
     result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", *probe), cwd=tmp_path, check=False)
+    assert scripts_of(forked_commands()[started:]).count("out_of_memory.py") == 2
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.stderr.splitlines()
     said = {"cpu": "error: Out of memory ([enforce fail at", "cuda": "[rank 1] error: Out of memory (CUDA out of memory. Tried to allocate 20.00 GiB.",
@@ -410,9 +416,11 @@ def test_running_out_of_memory_in_a_save_or_a_load_says_what_to_lower(place, tmp
         shutil.copytree(place / "preempted", output)  # checkpoints after epochs 1 and 2, the model not saved yet
     before = folder_snapshot(output) if output.exists() else {}
     script = SCRIPTS / "cpu_gloo.py"
+    started = len(forked_commands())
     result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "out_of_memory_in.py", method, script,
                         "--data_dir", place / "data", "--output_dir", output, "--num_epochs", "2", "--checkpointing_steps", "2",
                         *(["--resume_from_checkpoint", "latest"] if method == "load_state" else [])), cwd=tmp_path, check=False)
+    assert scripts_of(forked_commands()[started:]).count("out_of_memory_in.py") == 2, "the probe fails the last of 2 processes"
     what = (f"Could not write {output / 'checkpoints' / 'step_00000002'}" if method == "save_state"
             else f"Checkpoint {output / 'checkpoints' / 'step_00000008'} could not be loaded")
     assert result.returncode == 1 and error_lines(result.stderr) == [
@@ -663,6 +671,7 @@ def test_a_rank_ending_in_its_error_that_the_launcher_stops_exits_1_not_as_stopp
     process = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "ready\n"
     time.sleep(1)  # inside its wait of LONE_ERROR_WAIT_S (3 s), handlers set
+    assert process.poll() is None, "still waiting to say its error"
     process.terminate()
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 1, (process.returncode, stderr)
