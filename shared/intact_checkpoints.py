@@ -11,7 +11,7 @@ from accelerate.utils import gather_object
 
 from shared import stop_together
 from shared.errors import UserError, first_line
-from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoints_in, named_checkpoint, writes_here
+from shared.run_folder import CHECKPOINT_FOLDER, STATE_FILE, checkpoint_step, checkpoints_in, named_checkpoint, writes_here
 
 
 NO_COPY = "'s disk has no copy of it"  # after the machine's name, in damage()'s sentence part
@@ -20,15 +20,18 @@ UNREADABLE = "may not be read on"  # its permissions, or a stale NFS handle: no 
 
 def first_intact(accelerator, output_dir, spec):
     """Every process must call this: the checkpoint folder that `spec` names (a folder, or `latest`: the
-    newest of output_dir's), once each machine's copy is checked against its digests. A damaged one named
+    newest of output_dir's, on any machine's disk), once each machine's copy is checked against its digests. A damaged one named
     outright stops the run; `latest` names each damaged one, sets it aside as damaged_step_N (never
     deleted) and tries the one before. None: there is none; where a machine's disk holds an intact copy, a sentence instead.
     A file that is there but may not be read (its permissions, a stale NFS handle) stops the run in a sentence, setting nothing aside."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
-    names = stop_together.on_main_process(accelerator, lambda: [str(path) for path in reversed(checkpoints_in(folder))]
-                                          if spec == "latest" else [named_checkpoint(Path(spec))])
-    intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
     writes = writes_here(accelerator)  # this process checks its disk's copy
+    if spec == "latest":  # the newest on any machine's disk: a main process's new, empty disk must not start the run afresh
+        listed = gather_object([[path.name for path in checkpoints_in(folder)] if writes else []])
+        names = sorted({name for names in listed for name in names}, key=lambda name: checkpoint_step(Path(name)), reverse=True)
+    else:
+        names = stop_together.on_main_process(accelerator, lambda: [named_checkpoint(Path(spec))])
+    intact_elsewhere = []  # with a disk per machine, why a checkpoint was skipped though another machine's copy of it is intact
     for name in names:
         path = folder / Path(name).name if spec == "latest" else Path(name)  # this machine's copy, where each has a disk
         damaged_here = damage(path) if writes else None

@@ -507,9 +507,10 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     (folder / "step_00000004" / "trainer_state.json").write_text(json.dumps(state | {"sha256": intact_checkpoints.state_digest(state)}))
     machine_1 = SimpleNamespace(is_main_process=False, is_local_main_process=True, print=print,
                                 project_configuration=SimpleNamespace(save_on_each_node=True))
-    monkeypatch.setattr(intact_checkpoints, "checkpoints_in", lambda folder: [folder / "step_00000004", folder / "step_00000008"])  # machine 0's
-    monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: work())
-    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda verdicts: [(True, None), *verdicts])  # machine 0: writes, intact
+
+    def machine_0_first(mine):  # machine 0's answer to each gather, then this machine's: the names on its disk, then (writes, intact)
+        return [["step_00000004", "step_00000008"] if isinstance(mine[0], list) else (True, None), *mine]
+    monkeypatch.setattr(intact_checkpoints, "gather_object", machine_0_first)
     assert intact_checkpoints.first_intact(machine_1, tmp_path, "latest") == folder / "step_00000004"
     assert (f"Skipping damaged checkpoint {folder / 'step_00000008'} ({os.uname().nodename}'s disk has no copy of it); "
             "trying the one before it.") in capsys.readouterr().out
@@ -521,6 +522,14 @@ def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, m
     assert str(refused.value) == (
         f"No checkpoint in {folder} is intact on every machine's disk ({os.uname().nodename}'s disk has no copy of it): copy a machine's "
         "intact ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again.")
+
+    # The other way round, as machine 0 on a new disk (a requeue onto another node) beside machine 1's intact copies:
+    # the same sentence. Before, machine 0 listed its own disk alone, found nothing, and the run started afresh over them.
+    main_process = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print)
+    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda mine: [*mine, ["step_00000008"] if isinstance(mine[0], list) else (True, None)])
+    with pytest.raises(errors.UserError) as refused:
+        intact_checkpoints.first_intact(main_process, tmp_path, "latest")
+    assert str(refused.value).startswith(f"No checkpoint in {folder} is intact on every machine's disk ({os.uname().nodename}'s disk has no copy")
 
     # Named outright, a checkpoint machine 0 holds and this machine's disk lacks: not called damaged.
     monkeypatch.setattr(stop_together, "on_main_process", lambda accelerator, work: [str(folder / "step_00000008")])
@@ -713,6 +722,19 @@ def test_machines_whose_copies_of_a_checkpoint_differ_or_will_not_load_stop_befo
     folders = [tmp_path / "machine_0", tmp_path / "machine_1"]
     results = two_machines(tmp_path, [[*flags, "--output_dir", folder] for folder in folders])
     assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    # Machine 0 on a new, empty disk (a requeue onto another node): `latest` finds machine 1's copies and says so;
+    # before, machine 0 found none on its own disk and the run started afresh, saving over machine 1's.
+    shutil.move(folders[0], tmp_path / "machine_0_disk")
+    before = folder_snapshot(folders[1])
+    results = two_machines(tmp_path, [[*flags, "--output_dir", folder, "--resume_from_checkpoint", "latest", "--num_epochs", "2"]
+                                      for folder in folders])
+    for folder, result in zip(folders, results):
+        assert result.returncode == 1 and error_lines(result.stderr) == [
+            f"error: No checkpoint in {folder / 'checkpoints'} is intact on every machine's disk ({os.uname().nodename}'s disk has no copy of "
+            "it): copy a machine's intact ones into the others' --output_dir, or put --output_dir on a disk they all share, then launch again."
+        ], result.stderr[-3000:]
+    assert folder_snapshot(folders[1]) == before and not folders[0].exists()
+    shutil.move(tmp_path / "machine_0_disk", folders[0])
     other = latest_checkpoint(folders[1] / "checkpoints")
     save_file({name: tensor + 0.01 for name, tensor in load_file(other / "model.safetensors").items()}, other / "model.safetensors")
     record_digest_again(other, "model.safetensors")
