@@ -111,11 +111,12 @@ class Checkpoints:
             "batches_per_epoch": self.batches_per_epoch, "trained_on": self.trained_on, "files": files}
         (partial / STATE_FILE).write_text(json.dumps(state | {"sha256": state_digest(state)}, indent=1))
         write_through([*partial.rglob("*"), partial])
-        if final.exists():  # renamed, not deleted in place: a kill midway leaves no half of it for `latest` (branch_at removes it)
-            final.rename(final.with_name(f".pruned_{final.name}"))
+        displaced = final.with_name(f".displaced_{final.name}")
+        if final.exists():  # set aside whole, not deleted in place: a kill before the rename below leaves it for first_intact to put back
+            final.rename(displaced)
         partial.rename(final)
         write_through([final.parent])  # the rename too, before older checkpoints are pruned
-        shutil.rmtree(final.with_name(f".pruned_{final.name}"), ignore_errors=True)
+        shutil.rmtree(displaced, ignore_errors=True)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
         """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
@@ -146,9 +147,10 @@ class Checkpoints:
         """Every process must call this, once every check that could refuse the resume has passed: the
         run's checkpoints after the one resumed (`position`) are set aside as abandoned_step_N, never
         deleted, so that `latest` finds this run's own newest, and pruning never takes one of its own
-        for one of theirs. What a save or a prune killed midway left (.tmp_, .pruned_) goes: this run alone holds the folder."""
+        for one of theirs. What a save or a prune killed midway left (.tmp_, .pruned_, .displaced_ where its step's new copy
+        is complete) goes: this run alone holds the folder."""
         if self.writes:
-            for leftover in [*self.folder.glob(".tmp_step_*"), *self.folder.glob(".pruned_step_*")]:
+            for leftover in [path for prefix in (".tmp_", ".pruned_", ".displaced_") for path in self.folder.glob(f"{prefix}step_*")]:
                 shutil.rmtree(leftover, ignore_errors=True)
         if self.writes and position.path and position.path.parent.resolve() == self.folder.resolve():
             for later in [checkpoint for checkpoint in checkpoints_in(self.folder) if checkpoint_step(checkpoint) > position.global_step]:

@@ -26,6 +26,9 @@ def first_intact(accelerator, output_dir, spec):
     A file that is there but may not be read (its permissions, a stale NFS handle) stops the run in a sentence, setting nothing aside."""
     folder = Path(output_dir) / CHECKPOINT_FOLDER
     writes = writes_here(accelerator)  # this process checks its disk's copy
+    for displaced in folder.glob(".displaced_step_*") if writes else []:  # a save of the same step killed before its copy was in place
+        if not (final := displaced.with_name(displaced.name.removeprefix(".displaced_"))).exists():
+            displaced.rename(final)  # the checkpoint still: else `latest` would skip it, and the resume delete it
     if spec == "latest":  # the newest on any machine's disk: a main process's new, empty disk must not start the run afresh
         listed = gather_object([[path.name for path in checkpoints_in(folder)] if writes else []])
         names = sorted({name for names in listed for name in names}, key=lambda name: checkpoint_step(Path(name)), reverse=True)

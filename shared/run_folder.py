@@ -21,7 +21,8 @@ METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
 EVAL_FILE = "eval.json"  # --eval_only's result
 CHECKPOINT_FOLDER = "checkpoints"  # a CHECKPOINT_NAME folder each, with STATE_FILE (shared/checkpoints.py)
-CHECKPOINT_NAME = "step_{:08d}"  # after that optimizer step; prefixed .tmp_ while written, .pruned_ while deleted, damaged_ or abandoned_ when set aside
+CHECKPOINT_NAME = "step_{:08d}"  # after that optimizer step; prefixed .tmp_ while written, .pruned_ while deleted, .displaced_
+# while a new copy of its step takes its place, damaged_ or abandoned_ when set aside
 STATE_FILE = "trainer_state.json"
 PROFILE_FOLDER = "profile"  # --profile: trace_rank<N>.json each
 TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS = "tensorboard", "mlflow.db", "mlflow_artifacts"  # --with_tracking

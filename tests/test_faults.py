@@ -494,6 +494,22 @@ def test_a_checkpoint_file_that_may_not_be_read_stops_the_resume_and_sets_nothin
         assert sorted(path.name for path in folder.iterdir()) == ["step_00000004", "step_00000008"], "nothing set aside"
 
 
+def test_a_checkpoint_set_aside_by_a_killed_save_of_its_step_is_put_back(tmp_path, monkeypatch):
+    """A resume that saves its checkpoint's step again (stopped after an epoch's last step, the resumed run evaluates
+    that epoch and saves it) sets the earlier copy aside while the new one takes its place. A kill between the two
+    renames left no step_N: `latest` took the one before, and the resume then deleted both copies. Now the next
+    look for a checkpoint puts it back. Here as the main process of one."""
+    folder = tmp_path / "checkpoints"
+    state = {"files": {}}  # a checkpoint with no files but its state: intact
+    for name in ("step_00000004", ".displaced_step_00000008"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "trainer_state.json").write_text(json.dumps(state | {"sha256": intact_checkpoints.state_digest(state)}))
+    monkeypatch.setattr(intact_checkpoints, "gather_object", lambda mine: mine)
+    main_process = SimpleNamespace(is_main_process=True, is_local_main_process=True, print=print)
+    assert intact_checkpoints.first_intact(main_process, tmp_path, "latest") == folder / "step_00000008"
+    assert sorted(path.name for path in folder.iterdir()) == ["step_00000004", "step_00000008"]
+
+
 def test_latest_skips_a_checkpoint_this_machines_disk_has_no_copy_of(tmp_path, monkeypatch, capsys):
     """With a disk per machine, machine 0 may list a checkpoint that another machine's disk lacks (a save
     killed there before it completed): there `latest` skips it, renaming nothing, for the one before. Before,
