@@ -23,6 +23,7 @@ Under --max_restarts, a process that a mistake stopped ends the run: every start
 
 import copy
 import importlib.util
+import ipaddress
 import logging
 import os
 import re
@@ -302,6 +303,25 @@ def use_a_fresh_rendezvous_for_every_restart(args, setting):
     args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(is_host)}"]))
     if is_host:
         args.local_addr = setting("main_process_ip")
+    else:  # the machine that ranks first hosts the processes' store at the address it advertises
+        args.local_addr = getattr(args, "local_addr", None) or address_toward(setting("main_process_ip"))
+
+
+def address_toward(main_process_ip):
+    """What another machine advertises to the rendezvous: torchrun's guess, its host name, unless that name means this
+    machine alone (`localhost` on some images) where machine 0 is elsewhere; then the address of its interface toward
+    machine 0. torchrun ranks the machines by that name, and where this one ranks first, the others would connect to
+    themselves. None: torchrun's guess."""
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(main_process_ip)).is_loopback:
+            return None  # every machine on this one (loopback): its name reaches it
+        if not ipaddress.ip_address(socket.gethostbyname(socket.getfqdn())).is_loopback:
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((main_process_ip, 9))  # sends nothing: the kernel picks the route, and with it this end's address
+            return probe.getsockname()[0]
+    except OSError:  # no route, or a name that does not resolve: the rendezvous says so in its own words
+        return None
 
 
 def no_restart_after_a_mistake():

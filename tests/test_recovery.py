@@ -510,6 +510,14 @@ def start_machines(hosts, cwd, *args, env=None, **launch):
 def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, small_data, reference, tmp_path):
     hosts, ip = two_hosts
     args = ["--data_dir", small_data, *FLAGS]
+    # Under --max_restarts the machine that ranks first (by the name each advertises) hosts the processes' store: a second
+    # host whose name means itself alone (`localhost`, as on some images) advertises its address toward machine 0 instead.
+    code = ("import socket, sys; sys.path.insert(0, sys.argv[1]); socket.getfqdn = lambda: 'localhost'; import launch; "
+            "print(launch.address_toward(sys.argv[2]))")
+    namespace, _, address, fork_server_dir = hosts[1]
+    advertised = run([*enter(namespace), "env", f"FORK_SERVER_DIR={fork_server_dir}", *[f"{name}={value}" for name, value in HOST_ENV.items()],
+                      python(), "-c", code, SCRIPTS, hosts[0][2]], cwd=tmp_path)
+    assert advertised.stdout.split() == [address], advertised.stderr[-2000:]
 
     # The second host's own copy of the data is another data set of the same size: both hosts stop
     # before the first step, saying so once each, and make no run folder.
