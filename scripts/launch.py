@@ -275,7 +275,7 @@ def end_while_waiting(signum, during="the launch waited for the other machines, 
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"Stopped by {name} while {during}: nothing trained since the newest checkpoint; resume with "
               "--resume_from_checkpoint latest if the run saved checkpoints.", file=sys.stderr, flush=True)
-        exit_now(128 + signal.SIGINT if signum == signal.SIGINT else STOPPED_EXIT_CODE)
+        exit_now(STOPPED_EXIT_CODE if signum in (signal.SIGTERM, signal.SIGUSR1) else 128 + signum)  # SIGHUP's 129: no requeue
 
 
 def has_child_process():
