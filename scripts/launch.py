@@ -60,7 +60,7 @@ os.environ["TORCH_CPP_LOG_LEVEL"] = CPP_LOG_LEVEL or "FATAL"
 from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 import accelerate.commands.launch as accelerate_launch
 from accelerate.commands.launch import launch_command, launch_command_parser
-from accelerate.utils import ComputeEnvironment, prepare_simple_launcher_cmd_env
+from accelerate.utils import ComputeEnvironment, is_fp8_available, prepare_simple_launcher_cmd_env
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -397,7 +397,12 @@ def main():
     # Without --config_file, accelerate launch reads the profile `accelerate config` saved, where there is one (not with --cpu).
     profile = args.config_file or (default_config_file if os.path.isfile(default_config_file) and not args.cpu else None)
     config = check_profile(profile, args.cpu) if profile else None
-    if (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8":  # else accelerate's traceback, or a run the scripts refuse
+    ours = not (args.module or args.no_python) and Path(args.training_script).resolve().parent == HERE  # a script of your own may train in fp8
+    fp8 = (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8"
+    if fp8 and not ours and not is_fp8_available():  # else accelerate's traceback
+        fail("Mixed precision fp8 (--mixed_precision, or the profile's) needs Transformer Engine, MS-AMP or torchao, which this "
+             "Python lacks: install one, or pass bf16.")
+    if fp8 and ours:  # else a traceback, or a run the scripts refuse
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
     if not (args.module or args.no_python):
         check_script_flags(args.training_script, args.training_script_args)

@@ -459,6 +459,22 @@ def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_c
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: a mistake every rank found: fix it."], result.stderr[-3000:]
 
 
+def test_fp8_for_a_script_of_your_own_is_left_to_it_but_needs_an_fp8_library(tmp_path):
+    """The templates train in no, bf16 or fp16 (the launcher refuses fp8 for them: above); a script of your own may train in fp8,
+    which accelerate runs only with Transformer Engine, MS-AMP or torchao: without one, a sentence, not accelerate's traceback.
+    Before, the launcher refused fp8 for every script."""
+    from accelerate.utils import is_fp8_available
+
+    if is_fp8_available():
+        pytest.skip("an fp8 library is installed here")
+    own = tmp_path / "train.py"
+    own.write_text("print('trained')\n")
+    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp8", own), cwd=tmp_path, check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "error: Mixed precision fp8 (--mixed_precision, or the profile's) needs Transformer Engine, MS-AMP or torchao, which this Python "
+        "lacks: install one, or pass bf16."], result.stderr[-2000:]
+
+
 def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(place):
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
     (cpu.yaml would start 4, each importing torch before its parser could answer). torchrun starts its training
