@@ -108,13 +108,17 @@ def check_profile(path, cpu_flag):
     return config
 
 
-def check_script_flags(script, script_args):
-    """The flags of a training script beside this launcher, parsed here before any process starts
-    (each process would first spend seconds importing torch). Prints --help and stops, or stops with
-    the script's own sentence for a bad flag."""
-    path = Path(script).resolve()
-    if path.parent != HERE or path == Path(__file__).resolve():
-        return
+def template_launched(args):
+    """The path of the training script where it is one of the templates beside this launcher, else None (a script of
+    your own, a module)."""
+    path = None if args.module or args.no_python else Path(args.training_script).resolve()
+    return path if path and path.parent == HERE and path != Path(__file__).resolve() else None
+
+
+def check_script_flags(path, script_args):
+    """The flags of a template (template_launched), parsed here before any process starts (each process
+    would first spend seconds importing torch). Prints --help and stops, or stops with the script's own
+    sentence for a bad flag."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the scripts train only under `if __name__ == "__main__"`
@@ -397,15 +401,15 @@ def main():
     # Without --config_file, accelerate launch reads the profile `accelerate config` saved, where there is one (not with --cpu).
     profile = args.config_file or (default_config_file if os.path.isfile(default_config_file) and not args.cpu else None)
     config = check_profile(profile, args.cpu) if profile else None
-    ours = not (args.module or args.no_python) and Path(args.training_script).resolve().parent == HERE  # a script of your own may train in fp8
+    template = template_launched(args)  # a script of your own may train in fp8
     fp8 = (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8"
-    if fp8 and not ours and not is_fp8_available():  # else accelerate's traceback
+    if fp8 and not template and not is_fp8_available():  # else accelerate's traceback
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) needs Transformer Engine, MS-AMP or torchao, which this "
              "Python lacks: install one, or pass bf16.")
-    if fp8 and ours:  # else a traceback, or a run the scripts refuse
+    if fp8 and template:  # else a traceback, or a run the scripts refuse
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in: pass no, bf16, or fp16 on GPUs.")
-    if not (args.module or args.no_python):
-        check_script_flags(args.training_script, args.training_script_args)
+    if template:
+        check_script_flags(template, args.training_script_args)
 
     def setting(name):  # the command line's value, else the profile's
         value = getattr(args, name)
