@@ -495,11 +495,16 @@ def enter(namespace):
     return ["nsenter", f"--net=/run/netns/{namespace}"]
 
 
+def host_python(host, *variables):
+    """`python` on a host of two_hosts: inside its network namespace, a fork of its fork server, with HOST_ENV and `variables`."""
+    namespace, _, _, fork_server_dir = host
+    return [*enter(namespace), "env", f"FORK_SERVER_DIR={fork_server_dir}", *[f"{name}={value}" for name, value in HOST_ENV.items()],
+            *variables, python()]
+
+
 def machine_command(hosts, machine_rank, port, *args, launcher=("-m", "accelerate.commands.launch"), script=SCRIPTS / "cpu_gloo.py"):
-    """One machine's launch, inside its namespace, a fork of its host's server: rank 0's host is the rendezvous; gloo uses the veth."""
-    namespace, device, _, fork_server_dir = hosts[machine_rank]
-    return [*enter(namespace), "env", f"GLOO_SOCKET_IFNAME={device}", f"FORK_SERVER_DIR={fork_server_dir}",
-            *[f"{name}={value}" for name, value in HOST_ENV.items()], python(), *launcher,
+    """One machine's launch on its host (host_python): rank 0's host is the rendezvous; gloo uses the veth."""
+    return [*host_python(hosts[machine_rank], f"GLOO_SOCKET_IFNAME={hosts[machine_rank][1]}"), *launcher,
             "--config_file", CONFIGS / "cpu.yaml", "--num_machines", "2", "--num_processes", "2", "--machine_rank", machine_rank,
             "--main_process_ip", hosts[0][2], "--main_process_port", port, script, *args]
 
@@ -516,10 +521,8 @@ def test_two_hosts_train_as_one_group_and_stop_when_the_link_goes(two_hosts, sma
     # host whose name means itself alone (`localhost`, as on some images) advertises its address toward machine 0 instead.
     code = ("import socket, sys; sys.path.insert(0, sys.argv[1]); socket.getfqdn = lambda: 'localhost'; import launch; "
             "print(launch.address_toward(sys.argv[2]))")
-    namespace, _, address, fork_server_dir = hosts[1]
-    advertised = run([*enter(namespace), "env", f"FORK_SERVER_DIR={fork_server_dir}", *[f"{name}={value}" for name, value in HOST_ENV.items()],
-                      python(), "-c", code, SCRIPTS, hosts[0][2]], cwd=tmp_path)
-    assert advertised.stdout.split() == [address], advertised.stderr[-2000:]
+    advertised = run([*host_python(hosts[1]), "-c", code, SCRIPTS, hosts[0][2]], cwd=tmp_path)
+    assert advertised.stdout.split() == [hosts[1][2]], advertised.stderr[-2000:]
 
     # The second host's own copy of the data is another data set of the same size: both hosts stop
     # before the first step, saying so once each, and make no run folder.
