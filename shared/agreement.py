@@ -95,8 +95,8 @@ def check_weights(accelerator, model):
 
 
 def stop_at_a_difference(description):
-    """Gathers every process's description (what it compares, each as a sentence part that says its value)
-    and raises the first difference between process 0's and another's."""
+    """Every process must call this (one gather): raises the first difference between process 0's description
+    (what it compares, each as a sentence part that says its value) and another's."""
     everyone = gather_object([{**description, "host": socket.gethostname()}])
     first = everyone[0]
     for rank, theirs in enumerate(everyone):

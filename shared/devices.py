@@ -12,11 +12,7 @@ from shared.errors import UserError
 def cpu_only():
     """The Accelerator's cpu=: whether this run must use the CPU. Stops when the launch named GPUs
     (a GPU profile's gpu_ids, which reach the process as CUDA_VISIBLE_DEVICES) that are not there, or
-    starts more processes on this machine than it has GPUs (each takes the GPU of its local rank).
-
-    `accelerate launch` starts every multi-process profile through torchrun; on a machine without
-    GPUs those processes join one gloo group only if the Accelerator is built with cpu=True
-    (otherwise each trains alone at world size 1)."""
+    starts more processes on this machine than it has GPUs (each takes the GPU of its local rank)."""
     if parse_flag_from_env("ACCELERATE_USE_CPU"):  # cpu.yaml or --cpu, whatever GPUs a job's environment names
         return True
     requested = os.environ.get("CUDA_VISIBLE_DEVICES", "")

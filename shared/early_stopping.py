@@ -12,8 +12,7 @@ from shared.run_folder import model_saved_after
 
 
 class EarlyStopping:
-    """`patience`: stop when eval_loss has not improved on its best for that many epochs; `target`: stop
-    after the first epoch whose eval_accuracy reaches it (time to accuracy, as MLPerf measures it)."""
+    """--early_stopping_patience and --early_stopping_target, as their help in shared/flags.py says."""
 
     def __init__(self, accelerator, output_dir, start, *, patience, target):
         """Every process must call this (one broadcast), before log.continue_from(start) cuts metrics.jsonl.

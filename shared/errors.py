@@ -132,12 +132,9 @@ def exit_now(code):
     os._exit(code)
 
 
-MADE_BY_THIS_RUN = []  # of the run in this process (shared/notebook.py empties it after each of a kernel's runs)
-
-
-def remove_if_run_fails(path):
-    """A folder or file this run has just made, which a failed run removes (a folder only if empty)."""
-    MADE_BY_THIS_RUN.append(Path(path))
+# The folders and files that the run in this process made, which a failed run removes (a folder only if empty);
+# shared/notebook.py empties it after each of a kernel's runs.
+MADE_BY_THIS_RUN = []
 
 
 def make_folders(path):
@@ -147,7 +144,7 @@ def make_folders(path):
             folder.mkdir()
         except FileExistsError:  # there before, or made by another process of the run
             continue
-        remove_if_run_fails(folder)
+        MADE_BY_THIS_RUN.append(folder)
 
 
 def remove_what_the_failed_run_made():

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from shared import stop_together
 from shared.errors import UserError
@@ -48,8 +48,11 @@ class EpochStats:
         no checkpoint or model file of such weights is ever written."""
         nonfinite = sum((~torch.isfinite(weight.to_local() if hasattr(weight, "to_local") else weight)).sum()  # FSDP: this shard
                         for weight in self.model.parameters())
-        totals = torch.stack([self.loss_sum.float(), torch.tensor(float(self.samples), device=self.loss_sum.device),
-                              torch.as_tensor(nonfinite, device=self.loss_sum.device).float()])
+        if self.accelerator.distributed_type != DistributedType.FSDP:  # every process holds, and counted, the whole model
+            nonfinite = nonfinite / self.accelerator.num_processes
+        # float64: float32 would round a sample count past 2**24, and an epoch of a large data set has more
+        totals = torch.stack([self.loss_sum.double(), torch.tensor(float(self.samples), dtype=torch.float64, device=self.loss_sum.device),
+                              torch.as_tensor(nonfinite, device=self.loss_sum.device).double()])
         loss_sum, samples, nonfinite = self.accelerator.reduce(totals, reduction="sum").tolist()
         if not torch.isfinite(torch.tensor(loss_sum)) or nonfinite:
             fp16 = ", or --mixed_precision fp16 overflowed (bf16 has fp32's range)" if self.accelerator.mixed_precision == "fp16" else ""

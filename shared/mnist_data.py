@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from shared.errors import UserError, first_line, make_folders, remove_if_run_fails
+from shared.errors import MADE_BY_THIS_RUN, UserError, first_line, make_folders
 
 # torchvision keeps each data set under <data_dir>/<name>/raw/ with these four files.
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -142,8 +142,7 @@ def _download(name, data_dir, raw_folder, train, transform, download):
     try:
         return getattr(datasets, name)(data_dir, train=train, download=download, transform=transform)
     except (RuntimeError, OSError, HTTPException) as error:  # OSError: also a bad file, a full disk
-        for path in absent:
-            remove_if_run_fails(path)
+        MADE_BY_THIS_RUN.extend(absent)
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise UserError(f"The disk of {raw_folder} is full ({first_line(error)}): free space there, or pass a --data_dir "
                             f"on a disk with room for {name}'s download (about 90 MB).") from None

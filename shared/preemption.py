@@ -18,7 +18,6 @@ call), or waiting while another process does, may stand at one line up to BUSY_L
 save after a signal completes.
 """
 
-import contextlib
 import os
 import signal
 import socket
@@ -31,7 +30,7 @@ from shared.errors import STOPPED_EXIT_CODE, exit_now
 
 
 WAKEUP_SOCKETS = []
-WATCHING = []  # the Preemptions of this process's run, until stop_watching
+WATCHING = []  # the Preemptions of this process's run, until a notebook's run ends (shared/notebook.py)
 
 
 def signal_numbers():
@@ -53,8 +52,7 @@ class Preemption:
     # Inside torchrun's 90 s (scripts/launch.py) between passing a signal on and killing; past the 30 s in which torchrun
     # kills the others after one failed, so that those end killed, which a restart follows, not in 143, a stop to save.
     GRACE_S = 35
-    # The functions inside which the main thread is busy, not stuck: accelerate's and the scripts' saves and loads,
-    # which may stand at one line up to BUSY_LIMIT_S (a peer lost in the middle of one leaves it there for good).
+    # Saves and loads, inside which the main thread is busy, not stuck, up to BUSY_LIMIT_S (a peer lost mid-save: for good).
     BUSY_IN = {"save_state", "load_state", "save_model", "saving", "if_write_fails"}
     BUSY_LIMIT_S = 80
 
@@ -120,15 +118,3 @@ def _end_at_the_parents_sigterm():
         pass
     os._exit(0)
 
-
-def stop_watching():
-    """At the end of a run in a process that outlives it (a notebook's kernel, which an interrupt sends
-    SIGINT): the watchdogs end, and the signal handlers they replaced are back."""
-    while WATCHING:
-        preemption = WATCHING.pop()
-        preemption.ended.set()
-        for stop_signal, handler in preemption.replaced.items():
-            signal.signal(stop_signal, handler)
-    for _, writer in WAKEUP_SOCKETS:  # a watchdog waiting for a signal on its socket wakes at a 0, and ends: else each run left one
-        with contextlib.suppress(OSError):
-            writer.send(b"\0")

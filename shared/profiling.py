@@ -29,7 +29,8 @@ def off():
 
 
 def window(accelerator, output_dir, model):
-    """accelerator.profile's handler for --profile: the schedule, and the trace each process writes."""
+    """Every process must profile the same steps under this (its trace write is a gather): accelerator.profile's
+    handler for --profile, with the schedule and the trace each process writes."""
     folder = output_dir / PROFILE_FOLDER
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop notices and, on a CPU, its search for GPUs
     _label_forward(accelerator.unwrap_model(model, keep_torch_compile=False))

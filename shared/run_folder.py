@@ -15,7 +15,7 @@ from pathlib import Path
 from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType, gather_object
 
 from shared import stop_together
-from shared.errors import MADE_BY_THIS_RUN, UserError, first_line, make_folders, remove_if_run_fails
+from shared.errors import MADE_BY_THIS_RUN, UserError, first_line, make_folders
 
 METRICS_FILE = "metrics.jsonl"  # a record per epoch (shared/metrics.py)
 MODEL_FILE = SAFE_WEIGHTS_NAME  # model.safetensors, as accelerator.save_model names it
@@ -222,7 +222,7 @@ def _hold(path):
     lock.write(f"host {socket.gethostname()}, process {os.getpid()}")
     lock.flush()
     os.fsync(lock.fileno())  # NFS shows other machines a file's data only after fsync or close: prepare() reads it there
-    remove_if_run_fails(path)  # before the folder it may have made
+    MADE_BY_THIS_RUN.append(path)  # removed by a failed run before the folder it may have made
     _HELD.append((path, lock))
 
 

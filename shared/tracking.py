@@ -3,6 +3,7 @@ under --output_dir."""
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import sys
@@ -47,7 +48,7 @@ def starting(accelerator, output_dir, report_to, start):
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir / MLFLOW_DB}")
     stores = [output_dir / name for name in (TENSORBOARD_FOLDER, MLFLOW_DB, MLFLOW_ARTIFACTS)]
     there_before = [store.exists() for store in stores]
-    error = None
+    error, random_state = None, random.getstate()
     try:
         yield {"mlflow": {"logging_dir": str(output_dir / MLFLOW_ARTIFACTS)}, "tensorboard": {"purge_step": start.epoch}}
     except Exception as failure:  # mlflow, its database and tensorboard raise many kinds
@@ -61,6 +62,8 @@ def starting(accelerator, output_dir, report_to, start):
     else:
         for tracker in accelerator.trackers:  # the main process's: the others have none
             _left_out_if_failing(tracker)
+    # MLflow names its run with Python's random: the run draws on from the state its seed or checkpoint set, as untracked.
+    random.setstate(random_state)
     stop_together.if_any_failed(error)
 
 

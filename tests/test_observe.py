@@ -339,6 +339,27 @@ def test_a_tracker_whose_package_the_main_process_lacks_is_named_not_left_out(mo
     assert not any(tmp_path.iterdir()), "no tracker's store was made"
 
 
+def test_mlflow_naming_its_run_leaves_the_runs_random_state_as_it_was(monkeypatch, tmp_path):
+    """MLflow draws its run's name (accelerate's init_trackers gives none) from Python's random: a copy of a template
+    that draws from it (an augmentation) would train otherwise, and resume otherwise, with --with_tracking. The real
+    mlflow.start_run, inside tracking.starting as the scripts' init_trackers is (the main process, a one-process stand-in)."""
+    import random
+
+    import mlflow
+
+    from shared import tracking
+    from shared.checkpoints import Position
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")  # where starting() would set it, undone after
+    random.seed(0)
+    seeded = random.getstate()
+    with tracking.starting(SimpleNamespace(is_main_process=True, trackers=[]), tmp_path, "mlflow", Position()):
+        mlflow.start_run()
+        mlflow.end_run()
+        assert random.getstate() != seeded, "mlflow drew from Python's random: else this test proves nothing"
+    assert random.getstate() == seeded
+
+
 @pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
 def test_a_communication_hook_compresses_what_ddp_sends(hook, two_process_run, data_dir, tmp_path):
     """fp16 rounds every averaged gradient to half precision; PowerSGD sends a rank-1 approximation with
