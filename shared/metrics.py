@@ -48,16 +48,16 @@ class EpochStats:
         no checkpoint or model file of such weights is ever written."""
         nonfinite = sum((~torch.isfinite(weight.to_local() if hasattr(weight, "to_local") else weight)).sum()  # FSDP: this shard
                         for weight in self.model.parameters())
-        if self.accelerator.distributed_type != DistributedType.FSDP:  # every process holds, and counted, the whole model
-            nonfinite = nonfinite / self.accelerator.num_processes
-        # float64: float32 would round a sample count past 2**24, and an epoch of a large data set has more
+        # Every process counted its whole copy of the model, but under FSDP (fsdp.yaml: one shard each, no replicas).
+        copies = 1 if self.accelerator.distributed_type == DistributedType.FSDP else self.accelerator.num_processes
+        # float64: float32 would round a count past 2**24, and an epoch of a large data set has more samples
         totals = torch.stack([self.loss_sum.double(), torch.tensor(float(self.samples), dtype=torch.float64, device=self.loss_sum.device),
                               torch.as_tensor(nonfinite, device=self.loss_sum.device).double()])
         loss_sum, samples, nonfinite = self.accelerator.reduce(totals, reduction="sum").tolist()
         if not torch.isfinite(torch.tensor(loss_sum)) or nonfinite:
             fp16 = ", or --mixed_precision fp16 overflowed (bf16 has fp32's range)" if self.accelerator.mixed_precision == "fp16" else ""
             raise UserError(
-                f"Training diverged in epoch {self.epoch}: the loss summed over its steps is {loss_sum} and {int(nonfinite)} weights "
+                f"Training diverged in epoch {self.epoch}: the loss summed over its steps is {loss_sum} and {round(nonfinite / copies)} weights "
                 f"are not finite. The learning rate is likely too high{fp16}: lower --lr (or --gamma), and resume with "
                 "--resume_from_checkpoint latest if the run saved checkpoints (none of them holds such weights), or train again.",
                 every_process=True)

@@ -117,4 +117,3 @@ def _end_at_the_parents_sigterm():
     while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
         pass
     os._exit(0)
-

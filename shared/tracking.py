@@ -62,8 +62,8 @@ def starting(accelerator, output_dir, report_to, start):
     else:
         for tracker in accelerator.trackers:  # the main process's: the others have none
             _left_out_if_failing(tracker)
-    # MLflow names its run with Python's random: the run draws on from the state its seed or checkpoint set, as untracked.
-    random.setstate(random_state)
+    finally:  # MLflow names its run with Python's random: the run draws on from the state its seed or checkpoint set
+        random.setstate(random_state)
     stop_together.if_any_failed(error)
 
 

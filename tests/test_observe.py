@@ -351,13 +351,18 @@ def test_mlflow_naming_its_run_leaves_the_runs_random_state_as_it_was(monkeypatc
     from shared.checkpoints import Position
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")  # where starting() would set it, undone after
-    random.seed(0)
-    seeded = random.getstate()
-    with tracking.starting(SimpleNamespace(is_main_process=True, trackers=[]), tmp_path, "mlflow", Position()):
-        mlflow.start_run()
-        mlflow.end_run()
-        assert random.getstate() != seeded, "mlflow drew from Python's random: else this test proves nothing"
-    assert random.getstate() == seeded
+    outer = random.getstate()  # this test process's own, put back after
+    try:
+        random.seed(0)
+        seeded = random.getstate()
+        with tracking.starting(SimpleNamespace(is_main_process=True, trackers=[]), tmp_path, "mlflow", Position()):
+            mlflow.start_run()
+            mlflow.end_run()
+            inside = random.getstate()
+        assert inside != seeded, "mlflow drew from Python's random: else this test proves nothing"
+        assert random.getstate() == seeded
+    finally:
+        random.setstate(outer)
 
 
 @pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
