@@ -339,6 +339,7 @@ def test_a_tracker_whose_package_the_main_process_lacks_is_named_not_left_out(mo
     assert not any(tmp_path.iterdir()), "no tracker's store was made"
 
 
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # mlflow's store, under SQLAlchemy 2.1
 def test_mlflow_naming_its_run_leaves_the_runs_random_state_as_it_was(monkeypatch, tmp_path):
     """MLflow draws its run's name (accelerate's init_trackers gives none) from Python's random: a copy of a template
     that draws from it (an augmentation) would train otherwise, and resume otherwise, with --with_tracking. The real
