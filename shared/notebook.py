@@ -7,7 +7,6 @@
 
 import contextlib
 import os
-import signal
 import sys
 import threading
 
@@ -49,23 +48,11 @@ def in_notebook(main, out_of_memory_advice="lower --batch_size"):
             raise
         finally:
             run_folder.let_go()
-            _stop_watching()
+            preemption.stop_watching()
             MADE_BY_THIS_RUN.clear()  # the kernel's next run, which fails, must not remove what this one made
             if kernel_had is not None:
                 _forget_the_run(*kernel_had)
     return run
-
-
-def _stop_watching():
-    """The run's preemption watchdogs end, and the signal handlers they replaced are back (the kernel lives on)."""
-    while preemption.WATCHING:
-        watching = preemption.WATCHING.pop()
-        watching.ended.set()
-        for stop_signal, handler in watching.replaced.items():
-            signal.signal(stop_signal, handler)
-    for _, writer in preemption.WAKEUP_SOCKETS:  # a watchdog waiting for a signal on its socket wakes at a 0, and ends: else each run left one
-        with contextlib.suppress(OSError):
-            writer.send(b"\0")
 
 
 def _what_the_kernel_had():

@@ -18,6 +18,7 @@ call), or waiting while another process does, may stand at one line up to BUSY_L
 save after a signal completes.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from shared.errors import STOPPED_EXIT_CODE, exit_now
 
 
 WAKEUP_SOCKETS = []
-WATCHING = []  # the Preemptions of this process's run, until a notebook's run ends (shared/notebook.py)
+WATCHING = []  # the Preemptions of this process's run, until stop_watching
 
 
 def signal_numbers():
@@ -117,3 +118,16 @@ def _end_at_the_parents_sigterm():
     while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
         pass
     os._exit(0)
+
+
+def stop_watching():
+    """At the end of a run in a process that outlives it (a notebook's kernel, which an interrupt sends
+    SIGINT): the watchdogs end, and the signal handlers they replaced are back."""
+    while WATCHING:
+        preemption = WATCHING.pop()
+        preemption.ended.set()
+        for stop_signal, handler in preemption.replaced.items():
+            signal.signal(stop_signal, handler)
+    for _, writer in WAKEUP_SOCKETS:  # a watchdog waiting for a signal on its socket wakes at a 0, and ends: else each run left one
+        with contextlib.suppress(OSError):
+            writer.send(b"\0")
