@@ -173,7 +173,7 @@ def job_fields(job_id, env):
 def what_slurm_logged(slurm, job_id, tmp_path):
     """For a failure's message: the tails of the job's output, the controller's log and each node's."""
     logs = [tmp_path / f"job-{job_id}.out", slurm.folder / "slurmctld.log", *(slurm.folder / node / "slurmd.log" for node in ("node1", "node2"))]
-    return "\n".join(f"--- {log}\n{log.read_text()[-2000:] if log.exists() else '(none)'}" for log in logs)
+    return "\n".join(f"--- {log}\n{log.read_text()[-6000:] if log.exists() else '(none)'}" for log in logs)
 
 
 def job_state(job_id, env):
@@ -203,8 +203,10 @@ def wait_for(condition, job_id, slurm, tmp_path, states, seconds):
 def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resumes_bitwise(slurm, tmp_path):
     """The job's processes wait for the signal after step 80, inside epoch 2 (tests/probes/pause_at_step.py
     around cpu_gloo.py), so that it reaches them before the run ends however busy the machine. The requeued
-    job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too, which save
-    within Slurm's KillWait; the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
+    job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too (the first to reach
+    one ends the pause of all, as the run needs no more), which save within Slurm's KillWait, although srun, which
+    Slurm signals too, asks to kill the job step at once (the controller refuses: the job is cancelled already);
+    the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
@@ -225,7 +227,9 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
 
     log = (tmp_path / f"job-{job_id}.out").read_text()
     saved = [line.split("saved ")[1].split(" after")[0] for line in log.splitlines() if line.startswith("Stopped by a signal to stop: saved ")]
-    assert [Path(checkpoint).name for checkpoint in saved] == ["step_00000080", "step_00000160"], log[-3000:]  # the steps reached
+    assert [Path(checkpoint).name for checkpoint in saved] == ["step_00000080", "step_00000160"], (  # the steps reached
+        {path.name: path.read_text() for path in tmp_path.glob("signalled_*")}, sorted(path.name for path in (output_dir / "checkpoints").iterdir()),
+        what_slurm_logged(slurm, job_id, tmp_path))
     assert log.count("requeueing the job, which resumes from its newest checkpoint.") == 1, "after the warning, not the cancel"
     resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {saved[0]}: epoch ")]
     assert len(resumed) == 2, "said by the first process of each node, from the one checkpoint on the shared disk"

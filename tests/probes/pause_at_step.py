@@ -1,10 +1,13 @@
 """Runs the training script PAUSE_SCRIPT, paused after each optimizer step in PAUSE_AT_STEP (comma-separated)
-on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or a file `go`
-appears in PAUSE_DIR (or PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Each writes
+on the ranks in PAUSE_RANKS (all if unset) until a signal to stop reaches the process or another at the same step
+(one signalled process stops them all in the check's all-reduce, which is all the run needs: a cluster's
+signal may reach one machine late), or a file `go` appears in PAUSE_DIR (or
+PAUSE_DIR/exit_1_<rank>, which it removes and exits 1). Each writes
 PAUSE_DIR/checking_<rank>_at_<step> as it enters the step's check for a signal, past its look at its own mark
 (a signal from then on waits for the next check); pausing, each writes
 PAUSE_DIR/paused_<rank>_at_<step>, and a process that finds its file there already (restarted, it passes
-the step again) goes on; a signal to stop writes PAUSE_DIR/signalled_<rank>. A test that acts on a run (a
+the step again) goes on; a signal to stop adds a line to PAUSE_DIR/signalled_<rank>: its time, its name and the
+step of the check the process was in or passed last. A test that acts on a run (a
 signal, a kill, a cut link) then acts at a known step however busy the machine is, where a test that acts
 once epoch 1 is recorded can find the run already ended. Pausing changes no arithmetic: the weights stay bitwise those of a run that never paused.
 Each step is a multiple of Preemption.CHECK_EVERY, so the processes check for a signal right after it.
@@ -14,6 +17,7 @@ Each step is a multiple of Preemption.CHECK_EVERY, so the processes check for a 
 
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -36,8 +40,14 @@ checking = []  # the step whose check this process is in
 
 def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
     signalled.set()
-    (FOLDER / f"signalled_{os.environ.get('RANK', '0')}").touch()  # a test may wait for the signal to have come
+    with open(FOLDER / f"signalled_{os.environ.get('RANK', '0')}", "a") as record:  # a test may wait for the signal to have come
+        record.write(f"{time.time():.3f} {signal.Signals(signum).name} after step {checking[-1] if checking else 0}\n")
     original_mark(self, signum, frame)
+
+
+def signalled_at(step):
+    """Whether this process, or another at the same step, has had a signal to stop."""
+    return signalled.is_set() or any(f"after step {step}\n" in record.read_text() for record in FOLDER.glob("signalled_*"))
 
 
 def check_trigger(self):  # the check's all-reduce, after stop_agreed looked at this process's own mark
@@ -52,7 +62,7 @@ def stop_agreed(self, step, epoch_ends=False):
     marker = FOLDER / f"paused_{rank}_at_{step}"
     if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
         marker.touch()
-        while not signalled.is_set() and not (FOLDER / "go").exists():
+        while not signalled_at(step) and not (FOLDER / "go").exists():
             if (crash := FOLDER / f"exit_1_{rank}").exists():  # a crash, as of a killed DataLoader worker: exit 1, no mistake written
                 crash.unlink()  # once
                 os._exit(1)
