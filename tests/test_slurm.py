@@ -48,6 +48,7 @@ ReturnToService=2
 StateSaveLocation={folder}/state
 SlurmctldPidFile={folder}/slurmctld.pid
 SlurmctldLogFile={folder}/slurmctld.log
+SlurmctldDebug=debug  # the signals and kills asked of it, for a failure's message
 # {folder}/node is each node's own folder, mounted there in its mount namespace.
 SlurmdSpoolDir={folder}/node/spool
 SlurmdPidFile={folder}/node/slurmd.pid
@@ -205,7 +206,8 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     around cpu_gloo.py), so that it reaches them before the run ends however busy the machine. The requeued
     job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too (the first to reach
     one ends the pause of all, as the run needs no more), which save within Slurm's KillWait, although srun, which
-    Slurm signals too, asks to kill the job step at once (the controller refuses: the job is cancelled already);
+    Slurm signals too, asks to kill the job step at once (the controller drops it, REQUEST_CANCEL_JOB_STEP after the
+    job's kill in its debug2 log: the job is cancelled already);
     the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
