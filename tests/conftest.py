@@ -114,6 +114,15 @@ def forked_commands():
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+@contextlib.contextmanager
+def forks_made():
+    """The commands (forked_commands) of the forks made while the block runs, in the list it gives, filled as it ends."""
+    before = len(forked_commands())
+    made = []
+    yield made
+    made.extend(forked_commands()[before:])
+
+
 def scripts_of(commands):
     """The file name of the script each `python` command (of forked_commands) runs (through scripts/run_script.py, as
     scripts/launch.py starts each training process, or as itself)."""

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forked_commands, latest_checkpoint, new_interpreter_env, paused_at, python_command, rank_naming, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forks_made, latest_checkpoint, new_interpreter_env, paused_at, python_command, rank_naming, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -381,10 +381,10 @@ def test_a_checkpoint_whose_digests_match_but_will_not_load_stops_in_one_sentenc
     weights_file = checkpoint / "model.safetensors"
     weights_file.write_bytes(weights_file.read_bytes()[:100])
     record_digest_again(checkpoint, "model.safetensors")
-    before = len(forked_commands())
-    failed = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint",
-                                  "latest"), cwd=tmp_path, check=False)
-    assert scripts_of(forked_commands()[before:]).count("cpu_gloo.py") == num_processes, "as many training processes as launched"
+    with forks_made() as new_forks:
+        failed = run(training_command(num_processes, "--output_dir", run_dir, "--data_dir", small_data, *FLAGS, "--resume_from_checkpoint",
+                                      "latest"), cwd=tmp_path, check=False)
+    assert scripts_of(new_forks).count("cpu_gloo.py") == num_processes, "as many training processes as launched"
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     (line,) = error_lines(failed.stderr)
     assert line.startswith(f"error: Checkpoint {checkpoint} could not be loaded (") and line.endswith("): resume from an earlier one."), line

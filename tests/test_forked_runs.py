@@ -10,16 +10,16 @@ import textwrap
 import psutil
 import pytest
 
-from conftest import forked_commands, forks, scripts_of, launch_command, new_interpreter_env, python_command, read_metrics, run, script_env
+from conftest import forks_made, forks, scripts_of, launch_command, new_interpreter_env, python_command, read_metrics, run, script_env
 from test_features import assert_same_records, assert_same_weights, weights
 
 
 @pytest.mark.parametrize("flags", [["--batch_size", "abc"], ["--dataset_source", "hub"]], ids=["bad flag", "Hub offline"])
 def test_a_forked_run_fails_as_a_new_interpreter_would(flags, tmp_path):
     command = python_command("cpu_gloo.py", "--output_dir", tmp_path / "run", *flags)
-    before = len(forked_commands())
-    forked = run(command, cwd=tmp_path, check=False)
-    assert scripts_of(forked_commands()[before:]) == ["cpu_gloo.py"], "the run was a fork"
+    with forks_made() as new_forks:
+        forked = run(command, cwd=tmp_path, check=False)
+    assert scripts_of(new_forks) == ["cpu_gloo.py"], "the run was a fork"
     fresh = run(command, cwd=tmp_path, check=False, new_interpreter=True)
     assert forked.returncode == fresh.returncode == 1
     assert forked.stderr == fresh.stderr and forked.stderr.startswith("error: ")
@@ -27,9 +27,9 @@ def test_a_forked_run_fails_as_a_new_interpreter_would(flags, tmp_path):
 
 def test_an_uncaught_exception_ends_a_fork_as_it_ends_an_interpreter(tmp_path):
     command = [sys.executable, "-c", "import torch\nraise ValueError(torch.__name__)"]
-    before = len(forked_commands())
-    forked = run(command, cwd=tmp_path, check=False)
-    assert forked_commands()[before:] == [command[1:]], "the run was a fork"
+    with forks_made() as new_forks:
+        forked = run(command, cwd=tmp_path, check=False)
+    assert new_forks == [command[1:]], "the run was a fork"
     fresh = run(command, cwd=tmp_path, check=False, new_interpreter=True)
     assert forked.returncode == fresh.returncode == 1
     assert forked.stderr == fresh.stderr == 'Traceback (most recent call last):\n  File "<string>", line 2, in <module>\nValueError: torch\n'
@@ -43,11 +43,11 @@ def test_a_forked_run_trains_as_new_interpreters_would(processes, data_dir, tmp_
         runs[name] = tmp_path / name
         args = ["--data_dir", data_dir, "--output_dir", runs[name], "--num_epochs", "1", "--checkpointing_steps", "epoch"]
         command = python_command("cpu_gloo.py", *args) if processes == 1 else launch_command("cpu_gloo.py", *args, num_processes=2)
-        before = len(forked_commands())
-        run(command, cwd=tmp_path, new_interpreter=new_interpreter, env=new_interpreter_env() if new_interpreter else None)
+        with forks_made() as new_forks:
+            run(command, cwd=tmp_path, new_interpreter=new_interpreter, env=new_interpreter_env() if new_interpreter else None)
         # Forked: the script's process, or the launcher and both training processes; new interpreters: none.
         expected = [] if new_interpreter else ["cpu_gloo.py"] if processes == 1 else ["launch.py", "cpu_gloo.py", "cpu_gloo.py"]
-        assert scripts_of(forked_commands()[before:]) == expected
+        assert scripts_of(new_forks) == expected
     files = {name: sorted(path.relative_to(folder) for path in folder.rglob("*")) for name, folder in runs.items()}
     assert files["forked"] == files["fresh"]
     assert_same_weights(weights(runs["forked"]), weights(runs["fresh"]))

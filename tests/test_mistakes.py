@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CONFIGS, SCRIPTS, error_lines, folder_snapshot, forked_commands, free_port, python_command, read_metrics, run,
+from conftest import (CONFIGS, SCRIPTS, error_lines, folder_snapshot, forks_made, free_port, python_command, read_metrics, run,
                       script_env, scripts_of)
 from synthetic_digits import write_small_mnist
 
@@ -333,10 +333,10 @@ def test_mistake_ends_in_one_sentence_and_keeps_earlier_files(mistake, place):
     if command[0] == "env":  # its variables go in run()'s env, so that the python command after them may fork
         settings = list(itertools.takewhile(lambda part: "=" in part, command[1:]))
         variables, command = dict(setting.split("=", 1) for setting in settings), command[1 + len(settings):]
-    started = len(forked_commands())
-    result = run(command, cwd=place, check=False, env={**script_env(), **variables})
+    with forks_made() as new_forks:
+        result = run(command, cwd=place, check=False, env={**script_env(), **variables})
     if processes := re.search(r"(\d) processes", mistake):  # all of them started, and stopped together: not one alone
-        assert len([script for script in scripts_of(forked_commands()[started:]) if script != "launch.py"]) == int(processes[1])
+        assert len([script for script in scripts_of(new_forks) if script != "launch.py"]) == int(processes[1])
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     lines = [line.removeprefix("error: ") for line in error_lines(result.stderr)]
@@ -392,9 +392,9 @@ def test_running_out_of_memory_ends_in_one_sentence_that_says_what_to_lower(tmp_
     CUDA's torch.OutOfMemoryError (raised by the probe: no GPU here), or that error wrapped in torch.compile's
     BackendCompilerFailed, which says it only in its message. Before, a traceback of each (of the last, until 2026-11-27)."""
     probe = [PROBES / "out_of_memory.py", *([allocator] if allocator != "cpu" else [])]
-    started = len(forked_commands())
-    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", *probe), cwd=tmp_path, check=False)
-    assert scripts_of(forked_commands()[started:]).count("out_of_memory.py") == 2
+    with forks_made() as new_forks:
+        result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", *probe), cwd=tmp_path, check=False)
+    assert scripts_of(new_forks).count("out_of_memory.py") == 2
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.stderr.splitlines()
     said = {"cpu": "error: Out of memory ([enforce fail at", "cuda": "[rank 1] error: Out of memory (CUDA out of memory. Tried to allocate 20.00 GiB.",
@@ -416,11 +416,11 @@ def test_running_out_of_memory_in_a_save_or_a_load_says_what_to_lower(place, tmp
         shutil.copytree(place / "preempted", output)  # checkpoints after epochs 1 and 2, the model not saved yet
     before = folder_snapshot(output) if output.exists() else {}
     script = SCRIPTS / "cpu_gloo.py"
-    started = len(forked_commands())
-    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "out_of_memory_in.py", method, script,
-                        "--data_dir", place / "data", "--output_dir", output, "--num_epochs", "2", "--checkpointing_steps", "2",
-                        *(["--resume_from_checkpoint", "latest"] if method == "load_state" else [])), cwd=tmp_path, check=False)
-    assert scripts_of(forked_commands()[started:]).count("out_of_memory_in.py") == 2, "the probe fails the last of 2 processes"
+    with forks_made() as new_forks:
+        result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "out_of_memory_in.py", method, script,
+                            "--data_dir", place / "data", "--output_dir", output, "--num_epochs", "2", "--checkpointing_steps", "2",
+                            *(["--resume_from_checkpoint", "latest"] if method == "load_state" else [])), cwd=tmp_path, check=False)
+    assert scripts_of(new_forks).count("out_of_memory_in.py") == 2, "the probe fails the last of 2 processes"
     what = (f"Could not write {output / 'checkpoints' / 'step_00000002'}" if method == "save_state"
             else f"Checkpoint {output / 'checkpoints' / 'step_00000008'} could not be loaded")
     assert result.returncode == 1 and error_lines(result.stderr) == [
@@ -451,11 +451,11 @@ def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_c
     """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
     nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
     ended in silence. The ranks that do not say it now exit 0 at once, leaving the one non-zero exit to the one that does."""
-    before = len(forked_commands())
-    result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "late_to_a_shared_mistake.py"),
-                 cwd=tmp_path, check=False)
+    with forks_made() as new_forks:
+        result = run(launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "late_to_a_shared_mistake.py"),
+                     cwd=tmp_path, check=False)
     # Two processes: one alone would print the sentence after its second all the same.
-    assert scripts_of(forked_commands()[before:]).count("late_to_a_shared_mistake.py") == 2
+    assert scripts_of(new_forks).count("late_to_a_shared_mistake.py") == 2
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: a mistake every rank found: fix it."], result.stderr[-3000:]
 
 
@@ -479,11 +479,11 @@ def test_a_bad_flag_through_the_launcher_is_answered_before_any_process_starts(p
     """scripts/launch.py checks the flags of the scripts beside it itself: no training process starts
     (cpu.yaml would start 4, each importing torch before its parser could answer). torchrun starts its training
     processes through PYTHON_EXEC, the fork client here: each would be among the forks."""
-    before = len(forked_commands())
-    result = run(launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--batch_size", "0"), cwd=place, check=False)
+    with forks_made() as new_forks:
+        result = run(launch("--config_file", CONFIGS / "cpu.yaml", SCRIPTS / "cpu_gloo.py", "--batch_size", "0"), cwd=place, check=False)
     assert result.returncode == 1 and result.stderr.splitlines() == [
         "error: argument --batch_size: must be at least 1, got 0: see cpu_gloo.py --help for what it takes."]
-    assert scripts_of(forked_commands()[before:]) == ["launch.py"], "the launcher alone, no training process"
+    assert scripts_of(new_forks) == ["launch.py"], "the launcher alone, no training process"
 
 
 def test_a_ddp_flag_under_fsdp_is_answered_in_one_sentence(place):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import SCRIPTS, TOOLS, checkpoints_in, error_lines, forked_commands, launch_command, python_command, read_metrics, read_state, run, script_env, scripts_of
+from conftest import SCRIPTS, TOOLS, checkpoints_in, error_lines, forks_made, launch_command, python_command, read_metrics, read_state, run, script_env, scripts_of
 from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -192,10 +192,10 @@ def test_a_trace_that_cannot_be_written_stops_every_process_in_one_sentence(data
     output_dir = tmp_path / "run"
     output_dir.mkdir()
     (output_dir / "profile").write_text("not a folder")
-    started = len(forked_commands())
-    result = run(script_command("cpu_gloo.py", "--output_dir", output_dir, "--data_dir", data_dir, "--max_train_steps", "14", "--profile",
-                                num_processes=2), cwd=tmp_path, check=False)
-    assert scripts_of(forked_commands()[started:]).count("cpu_gloo.py") == 2
+    with forks_made() as new_forks:
+        result = run(script_command("cpu_gloo.py", "--output_dir", output_dir, "--data_dir", data_dir, "--max_train_steps", "14", "--profile",
+                                    num_processes=2), cwd=tmp_path, check=False)
+    assert scripts_of(new_forks).count("cpu_gloo.py") == 2
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if "error: " in line]
     assert line.startswith(f"error: Could not write {output_dir / 'profile' / 'trace_rank'}") and line.endswith(
