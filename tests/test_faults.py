@@ -644,7 +644,7 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
         path.parent.mkdir(exist_ok=True)
         path.write_text("{}")
     run(training_command(num_processes, *args[:-4], "--num_epochs", "1", "--overwrite_output_dir"), cwd=tmp_path)
-    assert [r["epoch"] for r in read_metrics(output_dir)] == [1]
+    assert [(r["epoch"], r["world_size"]) for r in read_metrics(output_dir)] == [(1, num_processes)]
     assert not any(path.parent.exists() if path.parent != output_dir else path.exists() for path in earlier)
 
 

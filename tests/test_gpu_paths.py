@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils.data import TensorDataset
 
-from conftest import CONFIGS, SCRIPTS, run, two_machines
+from conftest import CONFIGS, SCRIPTS, forks_made, run, scripts_of, two_machines
 
 from shared.in_memory_loader import InMemoryLoader
 
@@ -56,8 +56,10 @@ def test_fsdp2_sharded_checkpoints_resume_at_another_process_count(tmp_path):
     # process, said once; before, torch's CheckpointException, a BaseException, passed the scripts' handler: a traceback each.
     shard = tmp_path / "pytorch_model_fsdp_0" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:64])
-    failed = run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
-                  PROBES / "fsdp2_checkpoints.py", "damaged", tmp_path], cwd=tmp_path, check=False)
+    with forks_made() as new_forks:
+        failed = run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                      PROBES / "fsdp2_checkpoints.py", "damaged", tmp_path], cwd=tmp_path, check=False)
+    assert scripts_of(new_forks).count("fsdp2_checkpoints.py") == 2, "both processes failed, one said it"
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     (line,) = failed.stderr.splitlines()
     assert line.startswith(f"error: Checkpoint {tmp_path} could not be loaded (") and line.endswith("): resume from an earlier one."), line

@@ -9,7 +9,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, REPO, SCRIPTS, launch_command, read_metrics, run, script_env
+from conftest import CONFIGS, REPO, SCRIPTS, launch_command, new_interpreter_env, read_metrics, run, script_env
 from test_scripts import load_script_module
 
 PROBE = Path(__file__).resolve().parent / "probes" / "shard_probe.py"
@@ -124,7 +124,9 @@ def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(scrip
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2gpu.yaml",
         "--main_process_port", "0", REPO / "scripts" / script, "--output_dir", tmp_path / "run",
     ]
-    result = run(command, cwd=tmp_path, check=False)
+    # A new interpreter: torchrun reads LOGLEVEL as it is imported (by the fork server already), to name the ranks it starts.
+    result = run(command, cwd=tmp_path, check=False, env={**new_interpreter_env(), "LOGLEVEL": "INFO"}, new_interpreter=True)
+    assert "global_ranks=[0, 1]" in result.stderr, "the profile's 2 processes started"
     assert result.returncode != 0
     assert "asks for GPUs 0,1 (a GPU profile) but PyTorch sees no GPU" in result.stderr
     assert not (tmp_path / "run").exists()

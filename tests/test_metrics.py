@@ -71,6 +71,7 @@ def test_training_run_metrics_match_the_reference(trained, data_dir):
     accuracy, loss, count = single_process_evaluation(trained / "model.safetensors", data_dir)
     record = read_metrics(trained)[-1]
     assert (record["eval_samples"], record["eval_accuracy"]) == (count, pytest.approx(accuracy, abs=1e-12))
+    assert record["eval_loss"] == pytest.approx(loss, rel=1e-5)
 
 
 def test_per_class_accuracy_is_null_for_a_class_the_eval_set_lacks(trained, data_dir, tmp_path):

@@ -135,7 +135,7 @@ MISTAKES = {
     "fp8 in the profile accelerate config saved": (
         lambda p: ["env", f"HF_HOME={p / 'hf_home'}", *launch("--num_processes", "1", SCRIPTS / "toy_mlp.py", "--output_dir", p / "fresh")],
         "Mixed precision fp8 (--mixed_precision, or the profile's) is not one the scripts train in"),
-    "fp16 on the CPU, which accelerate would run in fp32": (
+    "fp16 on the CPU, which accelerate would run in fp32, 2 processes": (
         lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", "--mixed_precision", "fp16", SCRIPTS / "cpu_gloo.py",
                          "--data_dir", p / "data", "--output_dir", p / "fresh"),
         "Mixed precision fp16 (--mixed_precision, or the launch profile's) runs only on a GPU; on the CPU accelerate would train in fp32"),

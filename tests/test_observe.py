@@ -211,9 +211,9 @@ def test_a_process_that_fails_inside_the_profiled_window_ends_the_run_without_a_
     output_dir = tmp_path / "run"
     started = time.monotonic()
     result = run(launch_command(PROBES / "out_of_memory_in.py", "backward@10", SCRIPTS / "cpu_gloo.py", "--output_dir", output_dir,
-                                "--data_dir", data_dir, "--max_train_steps", "14", "--profile", "--ddp_timeout", "120", num_processes=2),
+                                "--data_dir", data_dir, "--max_train_steps", "14", "--profile", "--ddp_timeout", "300", num_processes=2),
                  cwd=tmp_path, check=False)
-    assert result.returncode == 1 and time.monotonic() - started < 100, (time.monotonic() - started, result.stderr[-3000:])
+    assert result.returncode == 1 and time.monotonic() - started < 200, (time.monotonic() - started, result.stderr[-3000:])
     assert error_lines(result.stderr)[0].startswith("error: Out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.)"), result.stderr[-3000:]
     assert "[rank 1] error: Out of memory (" in result.stderr, "the last of 2 processes failed, not one process alone"
     assert not (output_dir / "profile").exists()

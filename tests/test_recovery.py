@@ -258,8 +258,11 @@ def test_one_process_saves_on_a_signal_too(how, small_data, tmp_path):
         training.send_signal(signal.SIGUSR1)
     job.send_signal(signal.SIGUSR1 if how == "slurm" else signal.SIGTERM)
     _, stderr = finish(job, STOP_WAIT_S)
-    assert job.returncode == 143 and "Stopped by a signal to stop: saved" in stderr, stderr[-2000:]
-    assert latest_checkpoint(tmp_path / "stopped" / "checkpoints").name != "step_00000064", "a checkpoint inside epoch 2, not only the epoch one"
+    assert job.returncode == 143, stderr[-2000:]
+    saved = latest_checkpoint(tmp_path / "stopped" / "checkpoints")  # the signal's, after epoch 1's at step 64
+    step = int(saved.name[5:])
+    assert step > 64 and f"Stopped by a signal to stop: saved {saved} after step {step}; continue with --resume_from_checkpoint latest." \
+        in stderr.splitlines(), stderr[-2000:]
     assert_no_process_left(tmp_path)
 
 
@@ -279,8 +282,8 @@ def test_without_checkpointing_a_signal_stops_the_run_at_once(num_processes, sto
     os.kill(job.pid, stop_signal)
     signalled_at = time.monotonic()
     _, stderr = finish(job, STOP_WAIT_S)
-    # About 1 s here: no epoch's end or save awaited, nor torchrun's kill at STOP_WAIT_S (a loaded machine may take a few).
-    assert time.monotonic() - signalled_at < 10, stderr[-2000:]
+    # About 1 s here: no epoch's end or save awaited, nor the kill at STOP_WAIT_S (a loaded machine may take several).
+    assert time.monotonic() - signalled_at < 20, stderr[-2000:]
     expected = 143 if stop_signal == signal.SIGTERM else 128 + stop_signal
     assert job.returncode == expected and not (tmp_path / "run" / "checkpoints").exists(), stderr[-2000:]
     # Said, where before the launcher exited in silence (its 143 says, elsewhere, that the processes saved).

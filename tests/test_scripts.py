@@ -237,7 +237,7 @@ torch.optim.SGD.step = step_then_signal
         interrupt_at_step_5 + "try:\n" + textwrap.indent(cell(*common[2:-2], "--output_dir", tmp_path / "interrupted"), "    ")
         + "except KeyboardInterrupt:\n    print('interrupted')\ntorch.optim.SGD.step = step",
         interrupt,
-        "import threading\nprint('watchdogs left:', sum('_end_if_stuck' in thread.name for thread in threading.enumerate()))")])
+        "import threading\nprint('watchdogs left:', sum(Preemption._end_if_stuck.__name__ in thread.name for thread in threading.enumerate()))")])
     run_in_a_kernel(notebook, tmp_path)
     said = ["".join(output.get("text", "") for output in each.outputs if output.get("name") == "stderr") for each in notebook.cells]
     assert "error: --eval_only needs --resume_from_checkpoint" in said[1] and all(

@@ -258,7 +258,8 @@ def made_ago(path, seconds):
 
 def run_the_batch_script(tmp_path, srun):
     """slurm/train_2node.sbatch as job 7 with a stand-in srun (a shell script's body, ending in its exit code) and a
-    stand-in scontrol that records a requeue; returns the result, the requeue recorded, if any, and the job's run."""
+    stand-in scontrol that records a requeue; returns the result, the requeue recorded, if any, and the job's run.
+    The stand-in `scontrol show hostnames` names the first node alone: the script reads no further line."""
     bin_dir, output_dir = tmp_path / "bin", tmp_path / "runs" / "slurm-7"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(f"#!/bin/sh\n{srun}\n")
