@@ -119,8 +119,10 @@ def forks_made():
     """The commands (forked_commands) of the forks made while the block runs, in the list it gives, filled as it ends."""
     before = len(forked_commands())
     made = []
-    yield made
-    made.extend(forked_commands()[before:])
+    try:
+        yield made
+    finally:
+        made.extend(forked_commands()[before:])
 
 
 def scripts_of(commands):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -102,14 +103,19 @@ def test_a_fork_that_cannot_report_its_failure_still_ends_and_leaves_the_other_f
     interpreter, and nothing else: the fork never returns into the server's code, which would then
     stop the server's other forks."""
     code = "import sys, time\ntime.sleep(1)\nsys.excepthook = lambda *error: sys.stderr.write('failed')\nraise ValueError"
-    waiting = "import os, time\nwhile not os.path.exists('released'):\n    time.sleep(0.05)"
-    with forks_made() as new_forks:
-        other = subprocess.Popen([forks["PYTHON_EXEC"], "-c", waiting], cwd=tmp_path, env=script_env())
-        for python in (forks["PYTHON_EXEC"], sys.executable):
-            failing = subprocess.Popen([python, "-c", code], cwd=tmp_path, env=script_env(), stderr=subprocess.PIPE)
-            failing.stderr.close()
-            assert failing.wait(timeout=30) == 1
-    assert sorted(new_forks) == sorted([["-c", code], ["-c", waiting]]), "the other and the first failing one were forks"
-    assert other.poll() is None, "the other fork lives on"
-    (tmp_path / "released").touch()
+    waiting = "import os, time\nopen('started', 'w').close()\nwhile not os.path.exists('released'):\n    time.sleep(0.05)"
+    try:
+        with forks_made() as new_forks:
+            other = subprocess.Popen([forks["PYTHON_EXEC"], "-c", waiting], cwd=tmp_path, env=script_env())
+            while not (tmp_path / "started").exists():  # forked, and logged as such
+                assert other.poll() is None
+                time.sleep(0.05)
+            for python in (forks["PYTHON_EXEC"], sys.executable):
+                failing = subprocess.Popen([python, "-c", code], cwd=tmp_path, env=script_env(), stderr=subprocess.PIPE)
+                failing.stderr.close()
+                assert failing.wait(timeout=30) == 1
+        assert sorted(new_forks) == sorted([["-c", code], ["-c", waiting]]), "the other and the first failing one were forks"
+        assert other.poll() is None, "the other fork lives on"
+    finally:
+        (tmp_path / "released").touch()
     assert other.wait(timeout=30) == 0

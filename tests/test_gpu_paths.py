@@ -59,7 +59,7 @@ def test_fsdp2_sharded_checkpoints_resume_at_another_process_count(tmp_path):
     with forks_made() as new_forks:
         failed = run([sys.executable, SCRIPTS / "launch.py", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
                       PROBES / "fsdp2_checkpoints.py", "damaged", tmp_path], cwd=tmp_path, check=False)
-    assert scripts_of(new_forks).count("fsdp2_checkpoints.py") == 2, "both processes failed, one said it"
+    assert scripts_of(new_forks).count("fsdp2_checkpoints.py") == 2, "2 processes started"
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     (line,) = failed.stderr.splitlines()
     assert line.startswith(f"error: Checkpoint {tmp_path} could not be loaded (") and line.endswith("): resume from an earlier one."), line

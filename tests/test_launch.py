@@ -126,7 +126,7 @@ def test_gpu_profile_on_a_machine_without_gpus_stops_with_a_clear_sentence(scrip
     ]
     # A new interpreter: torchrun reads LOGLEVEL as it is imported (by the fork server already), to name the ranks it starts.
     result = run(command, cwd=tmp_path, check=False, env={**new_interpreter_env(), "LOGLEVEL": "INFO"}, new_interpreter=True)
-    assert "global_ranks=[0, 1]" in result.stderr, "the profile's 2 processes started"
+    assert "global_ranks=[0, 1]" in result.stderr, "torchrun starts the profile's 2 processes"
     assert result.returncode != 0
     assert "asks for GPUs 0,1 (a GPU profile) but PyTorch sees no GPU" in result.stderr
     assert not (tmp_path / "run").exists()

@@ -205,7 +205,8 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     """The job's processes wait for the signal after step 80, inside epoch 2 (tests/probes/pause_at_step.py
     around cpu_gloo.py), so that it reaches them before the run ends however busy the machine. The requeued
     job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too (the first to reach
-    one ends the pause of all, as the run needs no more), which save within Slurm's KillWait, although srun, which
+    one ends the pause of all, PAUSE_RELEASE_ALL, as the run needs no more: a CI run, 2026-11-28, had both processes
+    still paused at Slurm's KillWait, with no record of which had had the signal), which save within KillWait, although srun, which
     Slurm signals too, asks to kill the job step at once (the controller drops it, REQUEST_CANCEL_JOB_STEP after the
     job's kill in its debug2 log: the job is cancelled already);
     the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
@@ -214,7 +215,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
     env = {**new_interpreter_env(), **slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80, 160], tmp_path),
+           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80, 160], tmp_path), "PAUSE_RELEASE_ALL": "1",
            "LAUNCHER": str(SCRIPTS / "launch.py")}
     job_id = submit(slurm, tmp_path, flags, env)
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
@@ -230,7 +231,7 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     log = (tmp_path / f"job-{job_id}.out").read_text()
     saved = [line.split("saved ")[1].split(" after")[0] for line in log.splitlines() if line.startswith("Stopped by a signal to stop: saved ")]
     assert [Path(checkpoint).name for checkpoint in saved] == ["step_00000080", "step_00000160"], (  # the steps reached
-        {path.name: path.read_text() for path in tmp_path.glob("signalled_*")}, sorted(path.name for path in (output_dir / "checkpoints").iterdir()),
+        {path.name: path.read_text() for path in tmp_path.glob("signalled_*")}, sorted(path.name for path in (output_dir / "checkpoints").glob("*")),
         what_slurm_logged(slurm, job_id, tmp_path))
     assert log.count("requeueing the job, which resumes from its newest checkpoint.") == 1, "after the warning, not the cancel"
     resumed = [line for line in log.splitlines() if line.startswith(f"Resumed from {saved[0]}: epoch ")]
