@@ -255,12 +255,12 @@ def run_as_an_ordinary_user(fork_servers):
 PAUSE_PROBE = Path(__file__).resolve().parent / "probes" / "pause_at_step.py"
 
 
-def paused_at(steps, folder, ranks=None):
+def paused_at(steps, folder, ranks=None, release_all=False):
     """The environment in which tests/probes/pause_at_step.py, run in a script's place, pauses cpu_gloo.py
-    after each optimizer step of `steps` on `ranks` (all if None), once, until each is signalled or
-    folder/go appears; each paused process writes folder/paused_<rank>_at_<step>."""
+    after each optimizer step of `steps` on `ranks` (all if None), once, until each is signalled (`release_all`:
+    or another paused at the same step is) or folder/go appears; each paused process writes folder/paused_<rank>_at_<step>."""
     return {"PAUSE_SCRIPT": str(SCRIPTS / "cpu_gloo.py"), "PAUSE_AT_STEP": ",".join(map(str, steps)), "PAUSE_DIR": str(folder),
-            **({"PAUSE_RANKS": ",".join(map(str, ranks))} if ranks else {})}
+            **({"PAUSE_RANKS": ",".join(map(str, ranks))} if ranks else {}), **({"PAUSE_RELEASE_ALL": "1"} if release_all else {})}
 
 
 def all_paused(folder, ranks, step):

@@ -205,17 +205,17 @@ def test_slurm_early_warning_saves_at_the_step_reached_requeues_and_the_job_resu
     """The job's processes wait for the signal after step 80, inside epoch 2 (tests/probes/pause_at_step.py
     around cpu_gloo.py), so that it reaches them before the run ends however busy the machine. The requeued
     job waits again after step 160, for a plain scancel: its SIGTERM reaches every process too (the first to reach
-    one ends the pause of all, PAUSE_RELEASE_ALL, as the run needs no more: a CI run, 2026-11-28, had both processes
-    still paused at Slurm's KillWait, with no record of which had had the signal), which save within KillWait, although srun, which
-    Slurm signals too, asks to kill the job step at once (the controller drops it, REQUEST_CANCEL_JOB_STEP after the
-    job's kill in its debug2 log: the job is cancelled already);
-    the job ends cancelled, and a new job with OUTPUT_DIR set to its run goes on."""
+    one ends the pause of all, release_all, as the run needs no more: a CI run, 2026-11-28, had both processes still
+    paused at Slurm's KillWait, with no record of which had had the signal), which save within KillWait, although
+    srun, which Slurm signals too, asks to kill the job step at once (the controller drops it: REQUEST_CANCEL_JOB_STEP
+    after the job's kill in its debug2 log, the job cancelled already); the job ends cancelled, and a new job with
+    OUTPUT_DIR set to its run goes on."""
     write_small_mnist(tmp_path / "data", "MNIST", num_train=512, num_test=64)
     flags = ["--data_dir", tmp_path / "data", "--batch_size", "8", "--num_epochs", "6", "--log_interval", "1000"]
     # New interpreters, as the job's: Slurm signals the processes of the job step, which forks of the
     # tests' fork server would not be among.
     env = {**new_interpreter_env(), **slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80, 160], tmp_path), "PAUSE_RELEASE_ALL": "1",
+           "CONFIG": str(CONFIGS / "cpu.yaml"), "GPUS_PER_NODE": "1", "SCRIPT": str(PAUSE_PROBE), **paused_at([80, 160], tmp_path, release_all=True),
            "LAUNCHER": str(SCRIPTS / "launch.py")}
     job_id = submit(slurm, tmp_path, flags, env)
     output_dir = tmp_path / "runs" / f"slurm-{job_id}"
