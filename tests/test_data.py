@@ -241,6 +241,7 @@ def test_the_in_memory_loader_reshuffles_after_each_pass_as_accelerates_sampler_
     """A copied loop that never calls set_epoch: each pass still takes the next epoch's order, the one
     accelerate's seedable sampler (use_seedable_sampler, data_seed) gives its prepared DataLoader."""
     data = TensorDataset(torch.zeros(10, 1), torch.arange(10))
+    # Stand-ins for an Accelerator here and below: the loader reads only its process_index, num_processes and device.
     loader = InMemoryLoader(data, 4, SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu")), seed=7)
     sampler = SeedableRandomSampler(data, data_seed=7)
     orders = [torch.cat([labels for _, labels in loader]).tolist() for _ in range(3)]

@@ -94,6 +94,7 @@ def test_the_fsdp_profile_trains_saves_evaluates_and_resumes(script, data_dir, t
         run(gpu_launch("fsdp.yaml", script, "--output_dir", full, *data_flags(script, data_dir), "--eval_only",
                        "--resume_from_checkpoint", source, num_processes=num_processes), cwd=tmp_path)
         evaluation = json.loads((full / "eval.json").read_text())
+        assert (evaluation["weights"], evaluation["world_size"]) == (str(source), num_processes)
         assert evaluation["eval_accuracy"] == pytest.approx(records[-1]["eval_accuracy"], abs=0.02), source
 
     first = sorted(os.listdir(full / "checkpoints"))[0]
@@ -119,10 +120,13 @@ def test_the_in_memory_loader_moves_batches_that_stayed_on_the_cpu_to_the_gpu():
 
     from shared.in_memory_loader import InMemoryLoader
 
+    # A stand-in for one process's Accelerator on GPU 0: the three attributes the loader reads of it.
     accelerator = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cuda", 0))
     loader = InMemoryLoader(TensorDataset(torch.randn(10, 1, 28, 28), torch.arange(10)), 4, accelerator, seed=0, home=torch.device("cpu"))
-    for inputs, labels in loader:
-        assert inputs.device.type == labels.device.type == "cuda"
+    batches = list(loader)
+    assert [len(labels) for _, labels in batches] == [4, 4, 2]
+    assert {(inputs.device.type, labels.device.type) for inputs, labels in batches} == {("cuda", "cuda")}
+    assert sorted(torch.cat([labels for _, labels in batches]).tolist()) == list(range(10)), "each sample once"
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -132,6 +136,7 @@ def test_several_gpus_train_the_model_one_gpu_trains(count, data_dir, tmp_path):
     flags = ["--num_epochs", "2", "--batch_size", "64"]
     one, _ = train(tmp_path, "one", "1gpu.yaml", "mnist_conv.py", *flags, data_dir=data_dir)
     several, _ = train(tmp_path, "several", f"{count}gpu.yaml", "mnist_conv.py", *flags, data_dir=data_dir)
+    assert_trained_on_the_gpu(one, "mnist_conv.py", 1)
     assert_trained_on_the_gpu(several, "mnist_conv.py", count)
     assert read_metrics(several)[-1]["eval_accuracy"] == pytest.approx(read_metrics(one)[-1]["eval_accuracy"], abs=0.05)
 
