@@ -30,7 +30,7 @@ from shared.preemption import Preemption
 SCRIPT = os.environ["PAUSE_SCRIPT"]
 AT_STEPS = [int(step) for step in os.environ["PAUSE_AT_STEP"].split(",")]
 FOLDER = Path(os.environ["PAUSE_DIR"])
-RANKS = os.environ.get("PAUSE_RANKS")
+RANK, RANKS = os.environ.get("RANK", "0"), os.environ.get("PAUSE_RANKS")  # this process's rank; those that pause
 RELEASE_ALL = os.environ.get("PAUSE_RELEASE_ALL") == "1"
 assert all(step % Preemption.CHECK_EVERY == 0 for step in AT_STEPS), "pause where the processes check for a signal"
 signalled = threading.Event()
@@ -41,7 +41,7 @@ checking = []  # the step whose check this process is in
 
 def mark(self, signum, frame):  # preemption's handler of SIGTERM and SIGUSR1
     signalled.set()
-    with open(FOLDER / f"signalled_{os.environ.get('RANK', '0')}", "a") as record:  # a test may wait for the signal to have come
+    with open(FOLDER / f"signalled_{RANK}", "a") as record:  # a test may wait for the signal to have come
         record.write(f"{time.time():.3f} {signal.Signals(signum).name} after step {checking[-1] if checking else 0}\n")
     original_mark(self, signum, frame)
 
@@ -56,19 +56,18 @@ def signalled_since(paused_at, step):
 
 def check_trigger(self):  # the check's all-reduce, after stop_agreed looked at this process's own mark
     if checking and checking[-1] in AT_STEPS:
-        (FOLDER / f"checking_{os.environ.get('RANK', '0')}_at_{checking[-1]}").touch()
+        (FOLDER / f"checking_{RANK}_at_{checking[-1]}").touch()
     return original_check_trigger(self)
 
 
 def stop_agreed(self, step, epoch_ends=False):
-    rank = os.environ.get("RANK", "0")
     checking[:] = [step]
-    marker = FOLDER / f"paused_{rank}_at_{step}"
-    if step in AT_STEPS and (RANKS is None or rank in RANKS.split(",")) and not marker.exists():
+    marker = FOLDER / f"paused_{RANK}_at_{step}"
+    if step in AT_STEPS and (RANKS is None or RANK in RANKS.split(",")) and not marker.exists():
         marker.touch()
         paused_at = time.time()
         while not signalled_since(paused_at, step) and not (FOLDER / "go").exists():
-            if (crash := FOLDER / f"exit_1_{rank}").exists():  # a crash, as of a killed DataLoader worker: exit 1, no mistake written
+            if (crash := FOLDER / f"exit_1_{RANK}").exists():  # a crash, as of a killed DataLoader worker: exit 1, no mistake written
                 crash.unlink()  # once
                 os._exit(1)
             time.sleep(0.01)
