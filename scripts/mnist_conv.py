@@ -148,7 +148,7 @@ def main(argv=None):
     # across the processes (the in-memory loader shards itself the same way and passes through).
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, test_loader, scheduler)
     if not args.eval_only:  # which takes no step
-        flags.check_accumulation(args.gradient_accumulation_steps, len(train_loader))
+        flags.check_accumulation(accelerator.gradient_accumulation_steps, len(train_loader))
         flags.check_batch_fits(args.batch_size, len(train_set), split=args.split_batches)
     # Every process: refuses an --output_dir that holds an earlier run or a live one. Only here, after every check that
     # could stop the run before it trains but those of a resume and a tracker, does --overwrite_output_dir set it aside.
@@ -198,8 +198,8 @@ def main(argv=None):
     num_epochs = args.num_epochs
     if args.max_train_steps:  # it overrides --num_epochs, as in Hugging Face's example scripts: the epochs that reach it from
         # the start, in this run's steps (a checkpoint's epochs may have been of another length: another batch or world size)
-        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-        steps_before_epoch = start.global_step - math.ceil(start.batches_done / args.gradient_accumulation_steps)
+        steps_per_epoch = math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps)
+        steps_before_epoch = start.global_step - math.ceil(start.batches_done / accelerator.gradient_accumulation_steps)
         num_epochs = start.epoch - 1 + math.ceil((args.max_train_steps - steps_before_epoch) / steps_per_epoch)
 
     step = start.global_step

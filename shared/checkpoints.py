@@ -293,3 +293,4 @@ def apply_flags_schedule(accelerator, scheduler, lr, gamma):
     step_lr.base_lrs, step_lr.gamma = [lr] * len(step_lr.base_lrs), gamma
     for group in step_lr.optimizer.param_groups:  # StepLR's rate after the epochs done
         group["initial_lr"], group["lr"] = lr, lr * gamma ** (step_lr.last_epoch // step_lr.step_size)
+    step_lr._last_lr = [group["lr"] for group in step_lr.optimizer.param_groups]  # get_last_lr(), which the epoch's record reads

@@ -33,6 +33,8 @@ accuracy = _number(float, "a number", lambda value: 0 < value <= 1, "an accuracy
 learning_rate = _number(float, "a number", lambda value: 0 < value <= 3.4e38, "above 0 and at most 3.4e38, float32's largest")
 megabytes = _number(float, "a number", lambda value: 0 < value <= 2**20, "above 0 and at most a terabyte (1048576)")
 seed = _number(int, "a whole number", lambda value: 0 <= value < 2**32, f"from 0 to {2**32 - 1}, the seeds numpy takes")
+# torch's deadlines overflow past about 9e9 s: its rendezvous then times out at once, which would read as a lost peer.
+timeout_seconds = _number(int, "a whole number", lambda value: 1 <= value <= 10**9, "from 1 to 1000000000 (about 31 years)")
 every_n_steps = _number(int, "'epoch' or a whole number of steps", lambda value: value >= 1, "at least 1")
 
 
@@ -91,7 +93,7 @@ def training_parser(description, *, output_dir, hub_name):
     add("--keep_last_checkpoints", type=positive_int, default=KEEP_UNDER_RESTARTS if restarts else None,
         help=f"delete all but the newest K checkpoints (under --max_restarts the default is {KEEP_UNDER_RESTARTS})")
     add("--eval_only", action="store_true", help="only evaluate the weights of --resume_from_checkpoint (a checkpoint folder or a model.safetensors)")
-    add("--ddp_timeout", type=positive_int, default=1800,
+    add("--ddp_timeout", type=timeout_seconds, default=1800,
         help="seconds a process waits for the others at a collective before it fails: how soon a run stops "
         "when another machine or the network to it is lost (the main process's download is waited for too)")
     add("--early_stopping_patience", type=positive_int, default=None,

@@ -590,6 +590,24 @@ def test_a_diverged_run_stops_in_one_sentence_and_keeps_its_finite_checkpoints(n
     assert [(r["epoch"], r["lr"]) for r in read_metrics(output_dir)] == [(1, 0.01), (2, 0.01), (3, 0.01)]  # from step 60, in epoch 1
 
 
+def test_a_resume_with_another_lr_and_gamma_records_the_rate_its_epoch_trains_at():
+    """After two epochs at --lr 1 and --gamma 0.7, a resume with --lr 0.1 and --gamma 0.5 trains its epoch at
+    0.1 x 0.5^2, and the epoch's record (scheduler.get_last_lr(), read before its scheduler.step()) says so: before,
+    it said the checkpoint's 0.49 for that epoch. The scheduler is accelerate's wrapper around StepLR, as prepare()
+    gives it; the accelerator a stand-in of which apply_flags_schedule only prints."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    scheduler = AcceleratedScheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7), optimizer, step_with_optimizer=False)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    checkpoints.apply_flags_schedule(SimpleNamespace(print=print), scheduler, lr=0.1, gamma=0.5)
+    for epochs_done in (2, 3):
+        assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == pytest.approx(0.1 * 0.5 ** epochs_done)
+        scheduler.step()
+
+
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_first_rung_stops_a_diverged_run_too(num_processes, tmp_path):
     command = [*([sys.executable, LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2"] if num_processes == 2 else [sys.executable]),

@@ -431,13 +431,19 @@ def test_a_step_checkpoint_after_an_epochs_ragged_last_batch_resumes_at_another_
 
 def test_max_train_steps_counts_optimizer_steps_at_any_world_size(data_dir, tmp_path):
     """With accumulation of 2 batches of 50, an epoch of 2000 samples is 20 optimizer steps; 30 steps end
-    inside epoch 2, at 1 process and at 2, with the same model."""
-    flags = ["--data_dir", data_dir, "--batch_size", "50", "--gradient_accumulation_steps", "2", "--max_train_steps", "30"]
-    one, _ = train("cpu_gloo.py", tmp_path, "one", *flags)
-    two, _ = train("cpu_gloo.py", tmp_path, "two", *flags, num_processes=2)
-    for run_dir in (one, two):
-        assert [(r["epoch"], r["step"]) for r in read_metrics(run_dir)] == [(1, 20), (2, 30)]
+    inside epoch 2, at 1 process and at 2, with the same model. accelerate's ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+    sets the Accelerator's accumulation over the flag's, and the steps are the Accelerator's: before, the
+    script counted an epoch in the flag's (40 steps), ran 1 epoch and saved its model after 20 steps."""
+    flags = ["--data_dir", data_dir, "--batch_size", "50", "--max_train_steps", "30"]
+    one, _ = train("cpu_gloo.py", tmp_path, "one", *flags, "--gradient_accumulation_steps", "2")
+    two, _ = train("cpu_gloo.py", tmp_path, "two", *flags, "--gradient_accumulation_steps", "2", num_processes=2)
+    from_environment = tmp_path / "from_environment"
+    run(python_command("cpu_gloo.py", "--output_dir", from_environment, *flags), cwd=tmp_path,
+        env={**script_env(), "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"})
+    for run_dir, world_size in ((one, 1), (two, 2), (from_environment, 1)):
+        assert [(r["epoch"], r["step"], r["world_size"]) for r in read_metrics(run_dir)] == [(1, 20, world_size), (2, 30, world_size)]
     assert_same_weights(weights(one), weights(two), exact=False)
+    assert_same_weights(weights(one), weights(from_environment))
 
 
 # -- eval-only ------------------------------------------------------------------------------------

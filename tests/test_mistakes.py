@@ -121,6 +121,9 @@ MISTAKES = {
         "argument --lr: must be above 0 and at most 3.4e38, float32's largest, got 1e300"),
     "a DDP bucket of infinite size": (lambda p: cpu_gloo(p, "--ddp_bucket_cap_mb", "inf"),
                                       "argument --ddp_bucket_cap_mb: must be above 0 and at most a terabyte (1048576), got inf"),
+    "a timeout past torch's deadlines, which would end the rendezvous at once": (
+        lambda p: cpu_gloo(p, "--ddp_timeout", "10000000000"),
+        "argument --ddp_timeout: must be from 1 to 1000000000 (about 31 years), got 10000000000"),
     "misspelt flag": (lambda p: cpu_gloo(p, "--learning_rate", "0.1"), "unrecognized arguments: --learning_rate"),
     "unknown precision": (lambda p: cpu_gloo(p, "--mixed_precision", "fp8"), "argument --mixed_precision: invalid choice: 'fp8'"),
     "fp8 through the launcher": (lambda p: launch("--config_file", CONFIGS / "cpu.yaml", "--num_processes", "1", "--mixed_precision", "fp8",
