@@ -262,7 +262,7 @@ def stop_at_once_while_waiting(torchrun_log):
 
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, stop)
-    threading.Thread(target=end_if_stuck_waiting, args=(signal_numbers(), torchrun_log), daemon=True).start()
+    threading.Thread(target=end_if_stuck_waiting, args=(signal_numbers()[0], torchrun_log), daemon=True).start()
 
 
 def end_if_stuck_waiting(reader, torchrun_log):
@@ -402,7 +402,7 @@ def main():
     profile = args.config_file or (default_config_file if os.path.isfile(default_config_file) and not args.cpu else None)
     config = check_profile(profile, args.cpu) if profile else None
     template = template_launched(args)  # a script of your own may train in fp8
-    fp8 = (args.mixed_precision or getattr(config, "mixed_precision", None)) == "fp8"
+    fp8 = str(args.mixed_precision or getattr(config, "mixed_precision", None)).lower() == "fp8"  # accelerate lowercases a profile's
     if fp8 and not template and not is_fp8_available():  # else accelerate's traceback
         fail("Mixed precision fp8 (--mixed_precision, or the profile's) needs Transformer Engine, MS-AMP or torchao, which this "
              "Python lacks: install one, or pass bf16.")

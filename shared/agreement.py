@@ -59,11 +59,13 @@ def check(accelerator, flags):
     code = {f"shared/{path.name}": path for path in sorted(Path(shared.__file__).parent.glob("*.py"))}
     if script:
         code[Path(script).name] = Path(script)
+    # The code and the packages first: another version of either can explain a difference of flags or profile (a new flag,
+    # another default), not the other way round.
     stop_at_a_difference({
-        "flags": {name: f"--{name} is {value!r}" for name, value in trained.items()},
-        "profile": {name: f"{name} is {value}" for name, value in profile.items()},
         "code": {name: f"{name} has SHA-256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}" for name, path in code.items()},
-        "packages": {"torch": f"torch is {torch.__version__}", "accelerate": f"accelerate is {accelerate.__version__}"}})
+        "packages": {"torch": f"torch is {torch.__version__}", "accelerate": f"accelerate is {accelerate.__version__}"},
+        "profile": {name: f"{name} is {value}" for name, value in profile.items()},
+        "flags": {name: f"--{name} is {value!r}" for name, value in trained.items()}})
 
 
 def check_data(accelerator, train_set, test_set):

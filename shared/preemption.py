@@ -12,8 +12,8 @@ signal handlers, which wait for the main thread. A thread of its own wakes at th
 (Python's C-level handler writes the signal's number to the wakeup fd even then) and, when the main
 thread has stood in the same call at the same instruction for GRACE_S seconds since (evaluating, or waiting for
 its data, it moves on; blocked in C, it does not), ends the process with one line, before torchrun kills it. It watches the save of an agreed
-stop too, whose peer can be lost as well: a machine gone mid-save would hold the others until
---ddp_timeout. Writing or reading a checkpoint or the model (safetensors writes a whole file in one C
+stop too, on every process, signalled or not (stop_agreed wakes it), as its peer can be lost as well: a machine gone
+mid-save would hold the others until --ddp_timeout. Writing or reading a checkpoint or the model (safetensors writes a whole file in one C
 call), or waiting while another process does, may stand at one line up to BUSY_LIMIT_S instead: a slow
 save after a signal completes.
 """
@@ -35,15 +35,15 @@ WATCHING = []  # the Preemptions of this process's run, until stop_watching
 
 
 def signal_numbers():
-    """A socket that receives the number of every signal this process gets (Python's wakeup fd, written by
-    its C-level handler): a thread can wait on it where the main thread, blocked in C, runs no handler.
-    Both ends stay open for the process's life: Python writes each later signal's number to the wakeup
+    """The two ends of a socket whose first receives the number of every signal this process gets (the second is
+    Python's wakeup fd, written by its C-level handler): a thread can wait on it where the main thread, blocked in C,
+    runs no handler. Both ends stay open for the process's life: Python writes each later signal's number to the wakeup
     fd, which once closed would be the number of the next file opened, a checkpoint's, say."""
     reader, writer = socket.socketpair()
     WAKEUP_SOCKETS.append((reader, writer))
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    return reader
+    return reader, writer
 
 
 class Preemption:
@@ -61,7 +61,8 @@ class Preemption:
         self.accelerator, self.enabled, self.ended, self.signalled = accelerator, enabled, threading.Event(), False
         if enabled:
             self.replaced = {stop_signal: signal.signal(stop_signal, self._mark) for stop_signal in (signal.SIGTERM, signal.SIGUSR1)}
-            threading.Thread(target=self._end_if_stuck, args=(signal_numbers(),), daemon=True).start()
+            reader, self.wakeup = signal_numbers()
+            threading.Thread(target=self._end_if_stuck, args=(reader,), daemon=True).start()
             WATCHING.append(self)
 
     def _mark(self, signum, frame):
@@ -76,7 +77,11 @@ class Preemption:
             return False
         if self.signalled:
             self.accelerator.set_trigger()
-        return self.accelerator.check_trigger()
+        if not self.accelerator.check_trigger():
+            return False
+        if not self.signalled:  # another process's signal: this one's save is watched too, as a lost peer could hold it
+            self.wakeup.send(bytes([signal.SIGTERM]))
+        return True
 
     def _end_if_stuck(self, reader):
         signum = None

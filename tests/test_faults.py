@@ -667,8 +667,9 @@ def test_a_second_launch_into_a_live_runs_folder_stops_and_touches_nothing(num_p
 
 
 def test_machines_started_differently_stop_before_the_first_step(small_data, tmp_path):
-    """Two machines whose second has another --lr, then another copy of the script: both stop before the
-    first step with one sentence naming the first difference, and neither writes a model."""
+    """Two machines whose second has another --lr, then another copy of the script (with another --lr too: the code,
+    which can explain other flags, is named first): both stop before the first step with one sentence naming the
+    difference, and neither writes a model."""
     script = SCRIPTS / "cpu_gloo.py"
     changed = tmp_path / "elsewhere" / "cpu_gloo.py"
     changed.parent.mkdir()
@@ -678,7 +679,7 @@ def test_machines_started_differently_stop_before_the_first_step(small_data, tmp
     for machine_1, difference, advice in (
         ([script, *args, "--lr", "0.02"], f"--lr is 0.02 in process 1 on {host} but --lr is 0.01 in process 0 on {host}",
          "start every process with the same training flags."),
-        ([changed, *args], "cpu_gloo.py has SHA-256 ", "run the same code on every machine."),
+        ([changed, *args, "--lr", "0.02"], "cpu_gloo.py has SHA-256 ", "run the same code on every machine."),
         # --with_tracking decides whether a process checks the trackers' start, a collective: a difference would desync them.
         ([script, *args, "--with_tracking"], f"--with_tracking is True in process 1 on {host} but --with_tracking is False in process 0",
          "start every process with the same training flags."),
@@ -914,6 +915,28 @@ def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
     """
     result = run([sys.executable, "-c", code, tmp_path], cwd=tmp_path)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"saved" and not result.stderr, result.stderr
+
+
+def test_a_process_that_stops_for_another_ones_signal_has_its_save_watched_too(tmp_path):
+    """A stop agreed for another process's signal (Kubernetes preempting one machine's pod): this process had no
+    signal, and its watchdog slept on, so a save whose peer was lost held it until --ddp_timeout (30 minutes by
+    default). stop_agreed wakes it now: the save ends at BUSY_LIMIT_S with the line a signalled process gives. The
+    Accelerator is a stand-in whose check_trigger says another process set the trigger."""
+    code = """if True:
+        import time, types
+        from shared.preemption import Preemption
+        Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 1, 2
+        accelerator = types.SimpleNamespace(set_trigger=lambda: None, check_trigger=lambda: True, process_index=1)
+        assert Preemption(accelerator, enabled=True).stop_agreed(10)
+        def save_state():
+            time.sleep(120)  # one C call, as a save whose peer is lost
+        save_state()
+    """
+    started = time.monotonic()
+    result = run([sys.executable, "-c", code], cwd=tmp_path, check=False)
+    assert result.returncode == 143 and result.stderr == ("[rank 1] stopped: 2 s after a signal to stop, this process was still waiting on "
+                                                         "another, so it could not save a checkpoint; the newest complete one stays 'latest'.\n"), result.stderr
+    assert time.monotonic() - started < 60
 
 
 def test_a_killed_dataloader_worker_ends_the_run_at_once(data_dir, tmp_path):

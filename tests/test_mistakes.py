@@ -72,7 +72,8 @@ def place(tmp_path_factory, fork_servers):
     (root / "one_process.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\nmixed_precision: 'no'\n")
     (root / "worded.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: two\nuse_cpu: true\nmixed_precision: 'no'\n")
     (root / "hf_home" / "accelerate").mkdir(parents=True)  # as `accelerate config` saves a profile under HF_HOME
-    (root / "hf_home" / "accelerate" / "default_config.yaml").write_text("distributed_type: 'NO'\nuse_cpu: true\nmixed_precision: fp8\n")
+    # FP8 in capitals, which accelerate reads as fp8 (before, the launcher's check did not, and accelerate's traceback came)
+    (root / "hf_home" / "accelerate" / "default_config.yaml").write_text("distributed_type: 'NO'\nuse_cpu: true\nmixed_precision: FP8\n")
     return root
 
 
