@@ -198,7 +198,7 @@ def main(argv=None):
                     step += 1
                     # Every process, every 10 steps and at the epoch's last (before its evaluation); at the last of
                     # --max_train_steps the run finishes instead (its model, not a checkpoint).
-                    stopping = preemption.stop_agreed(step, epoch_ends=stats.batches == len(train_loader)) and step != args.max_train_steps
+                    stopping = preemption.stop_agreed(step, epoch_ends=stats.batches == len(train_loader), last_step=step == args.max_train_steps)
                     if stopping or saved.due(step):
                         for buffer in model.buffers():  # BatchNorm's statistics, each process's own until evaluate():
                             broadcast(buffer)  # the main process's, as there (FSDP's sharded save takes any process's copy)

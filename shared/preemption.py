@@ -69,11 +69,12 @@ class Preemption:
         self.signalled = True  # only a flag: the handler runs at any line, and set_trigger's tensor (a copy to the GPU) could
         # land inside a CUDA graph's capture, or wait on a stream that a lost peer hangs
 
-    def stop_agreed(self, step, epoch_ends=False):
+    def stop_agreed(self, step, epoch_ends=False, last_step=False):
         """Every process must call this after each optimizer step: whether all stop now. Every CHECK_EVERY steps, and
         at the epoch's last (`epoch_ends`: before its evaluation, which could outlast the launcher's wait), it is a
-        collective, accelerator.check_trigger()."""
-        if not self.enabled or (step % self.CHECK_EVERY and not epoch_ends):
+        collective, accelerator.check_trigger(); not at the run's `last_step` (--max_train_steps), which finishes the run
+        instead: a signal since the last check lets it save its model, as a stop would save a checkpoint."""
+        if not self.enabled or last_step or (step % self.CHECK_EVERY and not epoch_ends):
             return False
         if self.signalled:
             self.accelerator.set_trigger()

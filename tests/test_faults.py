@@ -920,14 +920,21 @@ def test_a_signal_after_the_agreed_stop_writes_into_no_file(tmp_path):
 def test_a_process_that_stops_for_another_ones_signal_has_its_save_watched_too(tmp_path):
     """A stop agreed for another process's signal (Kubernetes preempting one machine's pod): this process had no
     signal, and its watchdog slept on, so a save whose peer was lost held it until --ddp_timeout (30 minutes by
-    default). stop_agreed wakes it now: the save ends at BUSY_LIMIT_S with the line a signalled process gives. The
-    Accelerator is a stand-in whose check_trigger says another process set the trigger."""
+    default). stop_agreed wakes it now: the save ends at BUSY_LIMIT_S with the line a signalled process gives. Not at
+    the run's last step, which finishes the run instead: a watchdog woken there could end a healthy process in its last
+    evaluation or the model's save (here a wait past GRACE_S, which it outlives). The Accelerator is a stand-in whose
+    check_trigger says another process set the trigger."""
     code = """if True:
         import time, types
         from shared.preemption import Preemption
         Preemption.GRACE_S, Preemption.BUSY_LIMIT_S = 1, 2
         accelerator = types.SimpleNamespace(set_trigger=lambda: None, check_trigger=lambda: True, process_index=1)
-        assert Preemption(accelerator, enabled=True).stop_agreed(10)
+        preemption = Preemption(accelerator, enabled=True)
+        assert not preemption.stop_agreed(10, last_step=True)
+        def end_training():
+            time.sleep(4)  # one C call, past GRACE_S
+        end_training()
+        assert preemption.stop_agreed(20)
         def save_state():
             time.sleep(120)  # one C call, as a save whose peer is lost
         save_state()

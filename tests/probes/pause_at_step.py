@@ -60,7 +60,7 @@ def check_trigger(self):  # the check's all-reduce, after stop_agreed looked at 
     return original_check_trigger(self)
 
 
-def stop_agreed(self, step, epoch_ends=False):
+def stop_agreed(self, step, epoch_ends=False, last_step=False):
     checking[:] = [step]
     marker = FOLDER / f"paused_{RANK}_at_{step}"
     if step in AT_STEPS and (RANKS is None or RANK in RANKS.split(",")) and not marker.exists():
@@ -71,7 +71,7 @@ def stop_agreed(self, step, epoch_ends=False):
                 crash.unlink()  # once
                 os._exit(1)
             time.sleep(0.01)
-    return original_stop_agreed(self, step, epoch_ends)
+    return original_stop_agreed(self, step, epoch_ends, last_step)
 
 
 Preemption._mark, Preemption.stop_agreed, Accelerator.check_trigger = mark, stop_agreed, check_trigger
