@@ -239,7 +239,7 @@ def one_process_launcher(args):
                     pass
     # Stopped by the signal, after the save it asked for, or killed after the wait: the launcher exits as under torchrun.
     if passed_on and (killed or process.returncode in (-passed_on[-1], 128 + passed_on[-1], STOPPED_EXIT_CODE)):
-        EXIT_CODES_AT_SHUTDOWN[:] = [process.returncode]
+        EXIT_CODES_AT_SHUTDOWN[:], SHUTDOWN_SECONDS[:] = [process.returncode], [time.monotonic() - first_at[0]]
         raise SignalException(f"the process stopped on signal {passed_on[-1]}", signal.Signals(passed_on[-1]))
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command)
@@ -354,6 +354,7 @@ def ends_the_run(failure):
 
 
 EXIT_CODES_AT_SHUTDOWN = []
+SHUTDOWN_SECONDS = []  # how long the newest shutdown took: its whole wait, and torchrun killed the processes left
 A_RESTART_WAS_DUE = []  # at the newest shutdown: restarts were left, and what torchrun's monitor had found asked for one
 
 
@@ -365,7 +366,9 @@ def remember_how_the_processes_ended():
     shutdown = LocalElasticAgent._shutdown
 
     def shutdown_and_remember(agent, *args, **kwargs):
+        started = time.monotonic()
         shutdown(agent, *args, **kwargs)
+        SHUTDOWN_SECONDS[:] = [time.monotonic() - started]
         handlers = getattr(agent._pcontext, "subprocess_handlers", {})
         EXIT_CODES_AT_SHUTDOWN[:] = [handler.proc.returncode for handler in handlers.values()]
         failures = getattr(agent._pcontext, "_failures", {}).values()  # found before this shutdown, where one failed first
@@ -502,11 +505,15 @@ def main():
             # On a line of its own: a process that died of the signal may have left its progress bar's line open.
             print(f"\nStopped by {error.sigval.name}: the training processes ended at once, without saving a checkpoint (they save one only "
                   f"on SIGTERM or SIGUSR1, with --checkpointing_steps, once training has started). {RESUME_IF_SAVED}", file=sys.stderr, flush=True)
-        # The wait after passing the signal on ran out (None: not reaped yet); 143 all the same, on which a cluster requeues
-        if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN):
+        # Killed (None: not reaped yet): by torchrun where its wait after passing the signal on ran out, else by something
+        # else (the kernel's out-of-memory killer). 143 all the same, on which a cluster requeues: the newest checkpoint stays.
+        if {-signal.SIGKILL, None} & set(EXIT_CODES_AT_SHUTDOWN) and SHUTDOWN_SECONDS[0] >= args.shutdown_timeout:
             print(f"error: Training stopped: the launcher killed the processes {args.shutdown_timeout} s after passing the signal on, before every "
                   "one had ended: the newest complete checkpoint, if any, stays 'latest'; for a longer save, raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT.",
                   file=sys.stderr, flush=True)
+        elif -signal.SIGKILL in EXIT_CODES_AT_SHUTDOWN:
+            print("error: Training stopped: a training process was killed (SIGKILL: the kernel's out-of-memory killer, or a person) while the "
+                  "processes stopped after the signal: the newest complete checkpoint, if any, stays 'latest'.", file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_CODE if error.sigval in (signal.SIGTERM, signal.SIGUSR1) else 128 + error.sigval)
     except KeyboardInterrupt:  # before the processes could say it (as they start), or where the launcher alone got it
         print("Stopped by Ctrl-C; resume with --resume_from_checkpoint latest if the run saved checkpoints.", file=sys.stderr, flush=True)

@@ -986,6 +986,29 @@ def test_a_save_longer_than_the_grace_after_sigterm_completes(tmp_path):
     assert stderr.count("10 s after a signal to stop, this process was still waiting on another") == 2, stderr
 
 
+def test_a_process_killed_by_another_hand_while_the_processes_stop_is_not_blamed_on_the_launcher(tmp_path):
+    """SIGTERM to the launcher, which passes it on to both processes of the probe, which then stay in their save
+    (--stuck_save); rank 0 is then SIGKILLed, as by the kernel's out-of-memory killer, and rank 1's watchdog ends it at the
+    probe's 10 s, well inside the launcher's 90 s wait. Before, the launcher said it had killed them after its wait."""
+    command = [python(), LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
+               tmp_path, "--stuck_save"]
+    job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    for ready in ("waiting_0", "waiting_1", "signalled_0"):  # in place; then the signal, passed on by torchrun, has reached rank 0
+        if ready == "signalled_0":
+            job.send_signal(signal.SIGTERM)
+        while not ((tmp_path / ready).exists() and (tmp_path / ready).read_text()):  # written, not only created
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+    rank_naming(tmp_path, 0).kill()
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 143 and error_lines(stderr) == [
+        "error: Training stopped: a training process was killed (SIGKILL: the kernel's out-of-memory killer, or a person) while the "
+        "processes stopped after the signal: the newest complete checkpoint, if any, stays 'latest'."], stderr[-3000:]
+    assert "[rank 1] stopped: 10 s after a signal to stop" in stderr, stderr[-3000:]
+
+
 def test_the_watchdog_outwaits_torchruns_kill_after_a_failure_and_fits_in_its_wait_after_a_signal():
     """After a process fails, torchrun sends the others SIGTERM and kills them 30 s on (its close()'s default, which
     scripts/launch.py leaves alone); one blocked in a collective with the lost one must end killed then, which a restart

@@ -1,6 +1,7 @@
 """Launched by the tests like a training script, with checkpointing on: rank 0 never reaches the
 collective that the other ranks wait in, as a process whose peer is gone or stuck would. Each
-process writes `waiting` under its folder once it is in place, then waits for a signal to stop.
+process writes `waiting` under its folder once it is in place, then waits for a signal to stop (and where it waits
+for the signal in Python, below, writes `signalled` once it has come).
 
 With --slow_save every process instead, once signalled, spends 6 s in one C call inside a function named save_state, as
 accelerator.save_state spends writing a large checkpoint (the probe assumes only that name and the
@@ -29,10 +30,11 @@ def next_batch():
     time.sleep(0.2)  # one C call, as a wait on the workers' queue
 
 
-def wait_for_the_signal(preemption):
-    """So that the 6 s that follow come after the signal, however long the test took to send it."""
+def wait_for_the_signal(preemption, folder, rank):
+    """So that the 6 s that follow come after the signal, however long the test took to send it; writes `signalled` then."""
     while not preemption.signalled:
         time.sleep(0.05)
+    (folder / f"signalled_{rank}").write_text("signalled")
 
 
 def main():
@@ -45,12 +47,12 @@ def main():
             time.sleep(0.1)
         save_state(600)
     elif "--waiting_for_data" in sys.argv:
-        wait_for_the_signal(preemption)
+        wait_for_the_signal(preemption, Path(sys.argv[1]), accelerator.process_index)
         for _ in range(30):
             next_batch()
         (Path(sys.argv[1]) / f"finished_{accelerator.process_index}").write_text("finished")
     elif "--slow_save" in sys.argv or "--stuck_save" in sys.argv:
-        wait_for_the_signal(preemption)
+        wait_for_the_signal(preemption, Path(sys.argv[1]), accelerator.process_index)
         save_state(6 if "--slow_save" in sys.argv else 600)  # past the probe's GRACE_S, within its BUSY_LIMIT_S; or never done
         (Path(sys.argv[1]) / f"saved_{accelerator.process_index}").write_text("saved")
     elif accelerator.is_main_process:
