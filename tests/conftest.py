@@ -268,6 +268,16 @@ def all_paused(folder, ranks, step):
     return all((folder / f"paused_{rank}_at_{step}").exists() for rank in ranks)
 
 
+def wait_until(condition, job, what, timeout=120):
+    """Wait for condition() while the process `job` (a Popen with text pipes) runs; fail with its output if it ends first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if job.poll() is not None or time.monotonic() > deadline:
+            stdout, stderr = job.communicate()
+            pytest.fail(f"the run ended or took too long before {what}\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        time.sleep(0.05)
+
+
 def data_flags(script, data_dir):
     """--data_dir for the scripts that read a data set; toy_mlp has its rows built in and takes none."""
     return [] if script == "toy_mlp.py" else ["--data_dir", data_dir]

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forks_made, latest_checkpoint, new_interpreter_env, paused_at, python_command, rank_naming, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines
+from conftest import AS_AN_ORDINARY_USER, CONFIGS, PAUSE_PROBE, SCRIPTS, free_port, loopback_machine, python, all_paused, checkpoint_damage, checkpoints_in, error_lines, folder_snapshot, forks_made, latest_checkpoint, new_interpreter_env, paused_at, python_command, rank_naming, read_metrics, read_state, record_digest_again, run, script_env, scripts_of, small_disk, two_machines, wait_until
 from test_features import assert_same_records, assert_same_weights, weights
 from test_scripts import load_script_module
 
@@ -854,19 +854,22 @@ def test_machines_launched_with_different_profiles_stop_before_the_first_step(sm
     assert read_metrics(tmp_path / "run")[-1]["world_size"] == 2
 
 
-def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, ranks=("0", "1")):
-    """Launch 2 processes of the stuck_in_collective probe, signal `ranks` once they are in place; the
-    seconds from the signal to the launcher's end, its exit code and its stderr."""
+def probe_in_place(tmp_path, *flags):
+    """Launch 2 processes of the stuck_in_collective probe: the launcher's process, once both are in place."""
     tmp_path.mkdir(exist_ok=True)
     command = [python(), LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
                tmp_path, *flags]
     job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while len([path for path in tmp_path.glob("waiting_*") if path.read_text()]) < 2:  # written, not only created
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-        time.sleep(0.05)
+    wait_until(lambda: len([path for path in tmp_path.glob("waiting_*") if path.read_text()]) == 2, job, "both in place")  # written, not only created
     assert {path.read_text() for path in tmp_path.glob("waiting_*")} == {"2"}, "one group of 2"
+    return job
+
+
+def signal_the_probe_in_place(tmp_path, *flags, stop_signal=signal.SIGTERM, ranks=("0", "1")):
+    """Launch 2 processes of the stuck_in_collective probe, signal `ranks` once they are in place; the
+    seconds from the signal to the launcher's end, its exit code and its stderr."""
+    job = probe_in_place(tmp_path, *flags)
     time.sleep(0.5)  # rank 1 is inside the barrier, or both in their save
     workers = [rank_naming(tmp_path, rank) for rank in ranks]
     signalled = time.monotonic()
@@ -990,17 +993,10 @@ def test_a_process_killed_by_another_hand_while_the_processes_stop_is_not_blamed
     """SIGTERM to the launcher, which passes it on to both processes of the probe, which then stay in their save
     (--stuck_save); rank 0 is then SIGKILLed, as by the kernel's out-of-memory killer, and rank 1's watchdog ends it at the
     probe's 10 s, well inside the launcher's 90 s wait. Before, the launcher said it had killed them after its wait."""
-    command = [python(), LAUNCH, "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2", PROBES / "stuck_in_collective.py",
-               tmp_path, "--stuck_save"]
-    job = subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    for ready in ("waiting_0", "waiting_1", "signalled_0"):  # in place; then the signal, passed on by torchrun, has reached rank 0
-        if ready == "signalled_0":
-            job.send_signal(signal.SIGTERM)
-        while not ((tmp_path / ready).exists() and (tmp_path / ready).read_text()):  # written, not only created
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.05)
+    job = probe_in_place(tmp_path, "--stuck_save")
+    job.send_signal(signal.SIGTERM)
+    signalled = tmp_path / "signalled_0"
+    wait_until(lambda: signalled.exists() and signalled.read_text(), job, "the signal, passed on by torchrun, at rank 0")  # written, not only created
     rank_naming(tmp_path, 0).kill()
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 143 and error_lines(stderr) == [

@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, loopback_machine, new_interpreter_env, paused_at, processes_naming, python, python_command, rank_naming, read_metrics, run, script_env, start_fork_servers, stop_fork_servers
+from conftest import CONFIGS, PAUSE_PROBE, SCRIPTS, all_paused, checkpoints_in, error_lines, free_port, latest_checkpoint, loopback_machine, new_interpreter_env, paused_at, processes_naming, python, python_command, rank_naming, read_metrics, run, script_env, start_fork_servers, stop_fork_servers, wait_until
 from synthetic_digits import write_small_mnist
 from test_features import assert_same_records, assert_same_weights, weights
 
@@ -54,15 +54,6 @@ def training_process(job, rank):
         except psutil.Error:
             continue
     pytest.fail(f"no training process of rank {rank}")
-
-
-def wait_until(condition, job, what, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if job.poll() is not None or time.monotonic() > deadline:
-            stdout, stderr = job.communicate()
-            pytest.fail(f"the run ended or took too long before {what}\n{stdout[-2000:]}\n{stderr[-3000:]}")
-        time.sleep(0.05)
 
 
 def assert_world_size(output_dir, world_size=2):
