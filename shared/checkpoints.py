@@ -14,13 +14,13 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 from accelerate.utils import SCALER_NAME, DistributedType
-from torch.distributed.checkpoint.api import CheckpointException
 
 from shared import stop_together
 from shared.errors import LOST_PEER_SIGNS, OUT_OF_MEMORY_SIGNS, UserError, first_line
@@ -260,8 +260,8 @@ def loading(path, accelerator, position=None):
     failure = None
     try:
         yield
-    except (Exception, CheckpointException) as error:  # torch and safetensors raise many kinds on a damaged file
-        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error  # FSDP's sharded load's
+    except (Exception, _sharded_load_error()) as error:  # torch and safetensors raise many kinds on a damaged file
+        cause = error if isinstance(error, Exception) else next(iter(error.failures.values()))[0]  # FSDP's sharded load's
         if torch.distributed.is_initialized() and isinstance(cause, RuntimeError) and any(sign in str(cause) for sign in LOST_PEER_SIGNS):
             raise cause from None  # another process is gone, not the file: errors.run_main ends this one as a lost peer's survivor
         another_model = any(sign in str(cause) for sign in ("loading state_dict", "Missing key in checkpoint state_dict"))  # FSDP's
@@ -279,6 +279,13 @@ def loading(path, accelerator, position=None):
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun under --max_restarts
         accelerator.print((f"Restart {restart} after a lost process: r" if restart else "R") + f"esumed from {path}: epoch "
                           f"{position.epoch}, {position.batches_done} batches in, step {position.global_step}.")
+
+
+def _sharded_load_error():
+    """torch's CheckpointException, the BaseException that FSDP's sharded load raises, once that load has imported it:
+    its module costs every process 0.7 s of imports at its start (DTensor's, measured), FSDP or not."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api.CheckpointException if api else Exception
 
 
 def apply_flags_schedule(accelerator, scheduler, lr, gamma):
