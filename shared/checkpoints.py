@@ -1,10 +1,9 @@
 """Checkpoints around accelerator.save_state and load_state: written atomically, checked, resumed exactly.
 
-save_state writes into a hidden .tmp_ folder, renamed once every process has finished, so a crash or a
-full disk never leaves a broken folder for `latest`. Its trainer_state.json records where in the epoch
-it stopped, in samples (a resume at another world size knows the next batch, or says it cannot), and the
-SHA-256 of every file, so a file damaged since is found before it is loaded (shared/intact_checkpoints.py). Its
-files and the rename are on the disk (fsync) before older checkpoints are pruned.
+save_state writes into a hidden .tmp_ folder, renamed once every process has finished and on the disk (fsync)
+before older checkpoints are pruned: a crash or a full disk never leaves a broken folder for `latest`. Its
+trainer_state.json records where in the epoch it stopped, in samples (a resume at another world size knows the next
+batch, or says it cannot), and the SHA-256 of every file, found damaged before it loads (shared/intact_checkpoints.py).
 """
 
 import contextlib
@@ -119,10 +118,10 @@ class Checkpoints:
         shutil.rmtree(displaced, ignore_errors=True)
 
     def where_to_resume(self, spec, *, max_train_steps, split_batches):
-        """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a
-        folder, or `latest`: see first_intact), before the script's accelerator.load_state(position.path).
-        `latest` with no checkpoint yet starts a new run (a requeued job's first start); a run that holds
-        epochs but no intact checkpoint, or has finished, stops with a sentence. Later checkpoints stay (see branch_at)."""
+        """Every process must call this: the Position to resume from for --resume_from_checkpoint `spec` (a folder, or
+        `latest`: see first_intact), before the script's accelerator.load_state(position.path). `latest` with no checkpoint
+        yet starts a new run (a requeued job's first start); a run that holds epochs but no intact checkpoint, or has
+        finished, stops with a sentence. Later checkpoints stay (see branch_at)."""
         path = first_intact(self.accelerator, self.output_dir, spec)
         if path and path.name.startswith("abandoned_") and path.parent.resolve() == self.folder.resolve():  # a later branch's folder
             raise UserError(f"Checkpoint {path} was set aside when its run went on from an earlier one: resume it with another "
@@ -144,11 +143,10 @@ class Checkpoints:
         return position
 
     def branch_at(self, position):
-        """Every process must call this, once every check that could refuse the resume has passed: the
-        run's checkpoints after the one resumed (`position`) are set aside as abandoned_step_N, never
-        deleted, so that `latest` finds this run's own newest, and pruning never takes one of its own
-        for one of theirs. What a save or a prune killed midway left (.tmp_, .pruned_, .displaced_ where its step's new copy
-        is complete) goes: this run alone holds the folder."""
+        """Every process must call this, once every check that could refuse the resume has passed: the run's checkpoints
+        after the one resumed (`position`) are set aside as abandoned_step_N, never deleted, so that `latest` finds this
+        run's own newest, and pruning never takes one of its own for one of theirs. What a save or a prune killed midway
+        left (.tmp_, .pruned_, .displaced_ where its step's new copy is complete) goes: this run alone holds the folder."""
         if self.writes:
             for leftover in [path for prefix in (".tmp_", ".pruned_", ".displaced_") for path in self.folder.glob(f"{prefix}step_*")]:
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -282,8 +280,7 @@ def loading(path, accelerator, position=None):
 
 
 def _sharded_load_error():
-    """torch's CheckpointException, the BaseException that FSDP's sharded load raises, once that load has imported it:
-    its module costs every process 0.7 s of imports at its start (DTensor's, measured), FSDP or not."""
+    """torch's CheckpointException, a BaseException of FSDP's sharded load, once that has imported it (1.4 s at each start)."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return api.CheckpointException if api else Exception
 
