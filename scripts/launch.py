@@ -137,8 +137,9 @@ class TorchrunLog(logging.Handler):
     """Reads torchrun's log: a failed process and the restart of the run become one line per restart,
     and the processes torchrun itself stops are remembered (they are never the cause of a failure)."""
 
-    def __init__(self):
+    def __init__(self, machines=1):
         super().__init__()
+        self.machines = machines
         self.failed = None
         self.stopped_by_torchrun = set()  # their pids
         self.waiting = False  # under torchrun, until it starts this machine's processes, and while it restarts them
@@ -176,6 +177,12 @@ class TorchrunLog(logging.Handler):
         elif "new nodes from group_rank" in message:  # another machine restarts: this one joins it
             print("Restarting this machine's processes to rejoin another machine's restarted ones; "
                   "they resume from the newest checkpoint.", file=sys.stderr, flush=True)
+
+    def while_waiting(self):
+        """What the launch was doing while `waiting`, for end_while_waiting's line."""
+        if self.machines > 1:
+            return "the launch waited for the other machines, with no training process running here"
+        return "the launch started its training processes, none of them running yet"
 
 
 def stopped(what, exitcode):
@@ -271,10 +278,10 @@ def end_if_stuck_waiting(reader, torchrun_log):
         if signum in STOP_SIGNALS and torchrun_log.waiting:
             time.sleep(1)  # where the main thread runs Python, its handler ends the launch meanwhile
             if torchrun_log.waiting and not has_child_process():  # none to orphan: none has started
-                end_while_waiting(signum)
+                end_while_waiting(signum, torchrun_log.while_waiting())
 
 
-def end_while_waiting(signum, during="the launch waited for the other machines, with no training process running here"):
+def end_while_waiting(signum, during):
     with ENDING:  # once, from the main thread or the signal's thread, whichever comes first
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"Stopped by {name} while {during}: nothing trained since the newest checkpoint; resume with "
@@ -442,7 +449,7 @@ def main():
     # torchrun logs every failure at length; the failed process has already said what went wrong.
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
-    torchrun_log = TorchrunLog()
+    torchrun_log = TorchrunLog(setting("num_machines") or 1)
     elastic.addHandler(torchrun_log)
     agent_api.logger.setLevel(logging.INFO)  # its restart notice is an INFO record
     # The training processes' C++ warnings (gloo's connection notices, DDP's note on unused
@@ -493,7 +500,7 @@ def main():
              "--main_process_ip its address that every machine reaches and a --main_process_port that is free there.")
     except SignalException as error:  # the processes were told to stop; with checkpoints they saved and said where
         if torchrun_log.waiting:
-            end_while_waiting(error.sigval)
+            end_while_waiting(error.sigval, torchrun_log.while_waiting())
         if torchrun_log.stopping_after_a_failure and A_RESTART_WAS_DUE == [True]:  # the failed one's exit 1 is no failed save
             end_while_waiting(error.sigval, "torchrun stopped the processes after one failed, to restart them")
         if set(EXIT_CODES_AT_SHUTDOWN) == {0}:  # the signal came after the last check: the run finished

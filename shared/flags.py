@@ -154,7 +154,9 @@ def check_accumulation(accumulation_steps, batches_per_epoch):
     """Stop when one accumulation window would be longer than an epoch: accelerate ends the window at
     the epoch's end and divides by the whole window, so every epoch would take one small step."""
     if accumulation_steps > batches_per_epoch:
+        # accelerate takes it from this variable, where set, over the flag
+        given = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=" if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in os.environ
+                 else "--gradient_accumulation_steps ")
         raise UserError(
-            f"--gradient_accumulation_steps {accumulation_steps} is more than the {batches_per_epoch} batches "
-            f"each process trains in an epoch, so every epoch would take one small optimizer step: pass at most "
-            f"{batches_per_epoch}, or a smaller --batch_size.", every_process=True)
+            f"{given}{accumulation_steps} is more than the {batches_per_epoch} batches each process trains in an epoch, so every "
+            f"epoch would take one small optimizer step: give at most {batches_per_epoch}, or a smaller --batch_size.", every_process=True)

@@ -132,6 +132,14 @@ def test_the_launcher_names_the_lost_process_not_a_survivor_or_one_it_stopped():
     assert launch.cause_of_failure({2: failed[2]}, torchrun_log.stopped_by_torchrun) == (2, failed[2])  # nothing better to name
 
 
+def test_a_signal_before_any_process_starts_names_what_the_launch_waited_for():
+    """A signal while torchrun has no training process running here ends the launch in one line, which says what it was
+    waiting for: the other machines, or on one machine its own processes. Before, one machine's said the other machines."""
+    launch = load_script_module(LAUNCH)
+    assert launch.TorchrunLog(machines=2).while_waiting() == "the launch waited for the other machines, with no training process running here"
+    assert launch.TorchrunLog(machines=1).while_waiting() == "the launch started its training processes, none of them running yet"
+
+
 def test_a_signal_that_lands_in_the_launchers_log_handler_still_reaches_torchrun(monkeypatch):
     """torchrun raises SignalException from its handler wherever the launcher's main thread is, inside the
     launcher's handler of torchrun's log too (torchrun logs as it stops and starts processes): there it must go

@@ -451,6 +451,19 @@ def test_the_first_rung_runs_out_of_memory_with_advice_for_the_flags_it_has(tmp_
     assert not (tmp_path / "toy").exists(), "a failed run removes the folder it made"
 
 
+def test_an_accumulation_longer_than_an_epoch_names_the_variable_that_set_it(monkeypatch):
+    """accelerate takes ACCELERATE_GRADIENT_ACCUMULATION_STEPS over --gradient_accumulation_steps where it is set: the
+    sentence names what the run took. Before, it named the flag, which such a run may not have passed."""
+    from shared.errors import UserError
+    from shared.flags import check_accumulation
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "100")
+    with pytest.raises(UserError) as refused:
+        check_accumulation(100, 4)
+    assert str(refused.value) == ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=100 is more than the 4 batches each process trains in an "
+                                  "epoch, so every epoch would take one small optimizer step: give at most 4, or a smaller --batch_size.")
+
+
 def test_a_mistake_every_rank_finds_before_the_group_forms_is_said_when_rank_0_comes_late(tmp_path, fork_servers):
     """Before the process group forms (a bad flag under plain accelerate launch, a GPU profile without GPUs)
     nothing waits for rank 0: rank 1 left at once, the launcher stopped rank 0 before it spoke, and the run
