@@ -20,6 +20,7 @@ RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-
 # Mean and standard deviation of the training pixels, after ToTensor has scaled them to [0, 1].
 PIXEL_STATS = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 NUM_CLASSES = 10  # in both
+MNIST_KIND = f"pass a --dataset_name of 28x28 grayscale images with a label from 0 to {NUM_CLASSES - 1} each."  # of a Hub data set
 
 
 def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True):
@@ -54,8 +55,7 @@ def load(name, data_dir, *, download, source, hub_name, pipeline, normalize=True
         elif len(split.targets) and not 0 <= split.targets.min() <= split.targets.max() < NUM_CLASSES:
             problem = f"labels from {int(split.targets.min())} to {int(split.targets.max())}"
         if problem:
-            raise (UserError(f"{hub_name} has {problem}: pass a --dataset_name of 28x28 grayscale images with a label "
-                             f"from 0 to {NUM_CLASSES - 1} each.") if source == "hub" else _unreadable(name, raw_folder, problem))
+            raise UserError(f"{hub_name} has {problem}: {MNIST_KIND}") if source == "hub" else _unreadable(name, raw_folder, problem)
     return splits if pipeline == "torchvision" else [as_tensors(split, stats) for split in splits]
 
 
@@ -95,8 +95,7 @@ def _from_hub(hub_name, data_dir, transform, download):
         hub.logging.set_verbosity_error()
     try:
         splits = hub.load_dataset(hub_name, cache_dir=str(cache))
-        return [ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in splits[split]["image"]]),
-                             np.asarray(splits[split]["label"]), transform) for split in ("train", "test")]
+        columns = [(splits[split]["image"], splits[split]["label"]) for split in ("train", "test")]
     except Exception as error:  # offline, unknown name, missing split or column: the datasets library raises many kinds
         raise UserError(f"{hub_name} could not be loaded from the Hugging Face Hub ({first_line(error)}): connect to the internet, "
                         "pass --dataset_name a local data set with train and test splits of image and label columns, "
@@ -104,6 +103,11 @@ def _from_hub(hub_name, data_dir, transform, download):
     finally:
         hub.config.HF_HUB_OFFLINE = offline
         hub.logging.set_verbosity(verbosity)
+    try:  # loaded, but images of several sizes, or labels that are no numbers: the data, not the network
+        return [ArrayDataset(np.stack([np.asarray(image, dtype=np.uint8) for image in images]), np.asarray(labels), transform)
+                for images, labels in columns]
+    except Exception as error:  # numpy, torch and PIL (an image that does not decode) raise many kinds
+        raise UserError(f"{hub_name} has images or labels of another kind ({first_line(error)}): {MNIST_KIND}") from None
 
 
 def _read_raw(name, raw_folder, prefix):

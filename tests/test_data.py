@@ -126,6 +126,9 @@ def test_a_full_disk_during_the_download_ends_in_its_sentence_and_leaves_the_dis
     ("colour", (28, 28, 3), [0, 1, 2, 3], r"\(4, 28, 28, 3\) images but \(4,\) labels"),
     ("small", (16, 16), [0, 1, 2, 3], "images of 16x16 pixels"),  # as USPS's digits
     ("letters", (28, 28), [0, 1, 2, 25], "labels from 0 to 25"),  # as EMNIST's letters
+    # Crops of several sizes: the data, not the network (before, "could not be loaded ...: connect to the internet").
+    ("mixed", [(28, 28), (28, 28), (16, 16), (28, 28)], [0, 1, 2, 3],
+     r"images or labels of another kind \(all input arrays must have the same shape\)"),
 ])
 def test_a_hub_data_set_that_is_not_mnists_kind_ends_in_one_sentence(name, image, labels, problem, tmp_path):
     """--dataset_name a data set of colour images, of another size, or of more than 10 classes: one
@@ -135,7 +138,8 @@ def test_a_hub_data_set_that_is_not_mnists_kind_ends_in_one_sentence(name, image
 
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=26)})
     for split in ("train", "test"):
-        rows = datasets.Dataset.from_dict({"image": [np.zeros(image, np.uint8)] * 4, "label": labels}, features=features)
+        images = [np.zeros(shape, np.uint8) for shape in image] if isinstance(image, list) else [np.zeros(image, np.uint8)] * 4
+        rows = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
         rows.to_parquet(f"{tmp_path}/{name}/data/{split}-00000-of-00001.parquet")
     with pytest.raises(UserError, match=rf"{name} has {problem}: pass a --dataset_name of 28x28 grayscale images with a label from 0 to 9 each\.$"):
         mnist_data.load("MNIST", tmp_path / "data", download=False, source="hub", hub_name=str(tmp_path / name), pipeline="memory")
