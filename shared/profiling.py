@@ -62,10 +62,12 @@ class _Window(ProfileKwargs):
 
 class _SaysWhenEmpty(torch.profiler.profile):
     def __exit__(self, *exception):
-        if exception[0] is not None and not issubclass(exception[0], Stopped):  # a failure, maybe on this process alone:
-            self.on_trace_ready = None  # no trace, whose write waits for every process while the others train on (a hang)
+        failed = exception[0] is not None and not issubclass(exception[0], Stopped)  # maybe on this process alone
+        recorded_nothing = self.step_num <= SKIP + WARMUP  # at SKIP + WARMUP, torch would write what came after the loop
+        if failed or recorded_nothing:  # no trace: a failure's write would wait for every process while the others train on
+            self.on_trace_ready = None
         super().__exit__(*exception)
-        if self.step_num < SKIP + WARMUP + 1 and exception[0] is None and os.environ.get("RANK", "0") == "0":
+        if recorded_nothing and exception[0] is None and os.environ.get("RANK", "0") == "0":
             print(f"--profile recorded nothing: the run took {self.step_num} steps, and the profiler skips {SKIP} and warms up "
                   f"for {WARMUP} before it records {ACTIVE}: train longer (--num_epochs, or a smaller --batch_size).",
                   file=sys.stderr, flush=True)
