@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import SCALER_NAME, DistributedType
 
-from shared import stop_together
+from shared import profiling, stop_together
 from shared.errors import LOST_PEER_SIGNS, OUT_OF_MEMORY_SIGNS, UserError, first_line
 from shared.flags import OUT_OF_MEMORY_ADVICE
 from shared.intact_checkpoints import first_intact, sha256, state_digest
@@ -84,9 +84,9 @@ class Checkpoints:
             f"resume with --resume_from_checkpoint latest, which is {previous[0]} and complete." if previous
             else "start again: this run saved no checkpoint before.")
         try:
-            with stop_together.if_write_fails(final, advice):
+            with stop_together.if_write_fails(final, advice), torch.profiler.record_function(profiling.SAVE_SPAN):
                 yield partial
-            with stop_together.if_write_fails(final, advice):  # entered once every process has written its part
+            with stop_together.if_write_fails(final, advice), torch.profiler.record_function(profiling.SAVE_SPAN):  # once all wrote theirs
                 if self.writes:
                     self._complete(partial, final, position)
             self.newest = final

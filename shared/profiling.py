@@ -21,6 +21,8 @@ from shared.errors import Stopped
 from shared.run_folder import PROFILE_FOLDER
 
 SKIP, WARMUP, ACTIVE = 5, 2, 5
+# A checkpoint's save in a trace (shared/checkpoints.py labels it): tools/step_time.py leaves out the step that holds one.
+SAVE_SPAN = "checkpoint save"
 
 
 def off():

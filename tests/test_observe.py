@@ -17,6 +17,8 @@ import pytest
 from conftest import SCRIPTS, TOOLS, checkpoints_in, error_lines, forks_made, launch_command, python_command, read_metrics, read_state, run, script_env, scripts_of
 from test_features import assert_same_records, assert_same_weights, resume_from, script_command, train, weights
 
+from shared import profiling
+
 PROBES = Path(__file__).resolve().parent / "probes"
 PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
 
@@ -53,18 +55,26 @@ def test_profile_writes_a_trace_per_process_and_a_table_and_changes_no_weight(tw
     assert "| process | step | forward | backward | all-reduce wait | optimizer | data and loop | all-reduce under backward |" in printed
 
 
-def test_the_step_table_leaves_out_the_steps_that_held_an_evaluation_or_no_training(small_data, tmp_path):
+def test_the_step_table_leaves_out_the_steps_that_held_an_evaluation_a_save_or_no_training(small_data, tmp_path):
     """The profiled window crosses an epoch's end (8 steps an epoch, steps 8 to 12 recorded): one step
     also holds epoch 1's evaluation. A run that ends inside the window (--max_train_steps 10, 16 steps an
     epoch) leaves its last span open, and torch closes it only at the end, around the evaluation (here one
-    forward, of the one test batch) and the save. Neither is a training step: averaged in, they made the
-    step look slower than it is."""
+    forward, of the one test batch) and the save. A checkpoint saved after step 10 lands in the span of step 11.
+    None is a training step: averaged in, they made the step look slower than it is (a save: before, counted),
+    and tools/plot_trace.py draws the last step that is one (before, the run's end, an evaluation's forwards)."""
+    from plot_trace import last_step
+    from step_time import SAVE_SPAN
+
+    assert SAVE_SPAN == profiling.SAVE_SPAN, "the tool's copy, which imports no torch, is the label the checkpoints write"
     for name, flags, counted in (("across_an_epoch", ["--num_epochs", "2", "--batch_size", "64"], 4),
-                                 ("ended_inside", ["--max_train_steps", "10", "--batch_size", "32"], 3)):
+                                 ("ended_inside", ["--max_train_steps", "10", "--batch_size", "32"], 3),
+                                 ("saved_inside", ["--num_epochs", "1", "--batch_size", "32", "--checkpointing_steps", "10"], 4)):
         profiled, _ = train("cpu_gloo.py", tmp_path, name, "--profile", *flags, data_dir=small_data)
         printed, (row,) = step_time_table(profiled / "profile", tmp_path)
         assert (row["steps"], row["left out"]) == (counted, 1), row
-        assert f"over {counted} profiled training steps, 1 more left out that held an evaluation or no training" in printed
+        assert f"over {counted} profiled training steps, 1 more left out that held an evaluation, a checkpoint's save or no training" in printed
+        _, phases = last_step(json.loads((profiled / "profile" / "trace_rank0.json").read_text()))
+        assert [len(phases[name]) for name in ("forward", "backward")] == [1, 1], phases
 
 
 def gpu_shaped_trace():
@@ -231,7 +241,7 @@ def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
         assert result.stderr.strip().endswith("): profile the run again, or pass another profile folder.")
     # JSON, but not a trace; a trace without a recorded step (a run shorter than the profiler's window).
     for content, sentence in (("[]", "could not be read as a trace (it holds no traceEvents list)"),
-                              ('{"traceEvents": []}', "recorded step: pass the profile folder of a run trained with --profile long enough")):
+                              ('{"traceEvents": []}', "step: pass the profile folder of a run trained with --profile long enough")):
         (tmp_path / "profile" / "trace_rank0.json").write_text(content)
         for tool in ("step_time.py", "plot_trace.py"):
             result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)

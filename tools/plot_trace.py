@@ -3,7 +3,7 @@ DDP's all-reduce of the gradient buckets runs beside it.
 
     python tools/plot_trace.py runs/mnist_conv/profile [runs/other/profile ...] -o step.png
 
-For each trace_rank<N>.json in the folders, the last recorded step: one row for the main thread's
+For each trace_rank<N>.json in the folders, the last recorded training step (as tools/step_time.py counts them): one row for the main thread's
 phases (forward, backward, optimizer; the gaps between them are the waits) and one row for the all-reduces the
 communication thread ran, on the same time axis from the step's start. On a CPU these are gloo's
 all-reduces themselves; on a GPU they are the host's calls that queue NCCL's, whose kernels run later on
@@ -14,20 +14,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace, trace_files
+from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace, trace_files, training_step
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
 
 def last_step(trace):
-    """(start, duration) of the trace's last ProfilerStep and the spans to draw in it, in ms from its start."""
+    """The duration of the trace's last training step and the spans to draw in it, in ms from its start."""
     # The host's events: on a GPU, Kineto repeats forward's and the optimizer's annotations on the device's rows.
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and event.get("cat") not in DEVICE_CATEGORIES]
     steps = host_steps(events)
-    if not steps:
-        sys.exit("error: a trace holds no recorded step: pass the profile folder of a run trained with --profile long enough to "
-                 "record its steps.")
-    step = max(steps, key=lambda event: event["ts"])
+    trained = [step for step in steps if training_step(step, events, steps[0]["tid"])]  # not the run's end, an evaluation, a save
+    if not trained:
+        sys.exit("error: a trace holds no recorded training step: pass the profile folder of a run trained with --profile long "
+                 "enough to record its steps.")
+    step = max(trained, key=lambda event: event["ts"])
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [event for event in events if start <= event["ts"] < end]
 

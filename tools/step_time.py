@@ -6,8 +6,8 @@ prints a table with a row per process (every trace_rank<N>.json in the folder), 
 averaged over the recorded steps, and saves it as step_time.json beside the traces.
 
 Steps are the host's ProfilerStep#N annotations that trained one batch (one forward call of the model);
-one that also holds an evaluation (the window crossed an epoch's end) or none (the span open when the
-run ended, which torch closes only then) is left out and counted as such. On a GPU, Kineto repeats each
+one that also holds an evaluation (the window crossed an epoch's end) or a checkpoint's save, or none
+(the span open when the run ended, which torch closes only then) is left out and counted as such. On a GPU, Kineto repeats each
 step on the device's rows (gpu_user_annotation), which mark where its kernels ran and are not counted again.
 The host's phases, from each process's main thread (on a GPU: the time the host spent issuing them):
 - forward: the model's forward call; backward: from the first to the last of autograd's functions,
@@ -31,11 +31,26 @@ from pathlib import Path
 
 HOST_PHASES = ("forward", "backward", "all-reduce wait", "optimizer", "data and loop")
 DEVICE_CATEGORIES = ("kernel", "gpu_user_annotation", "gpu_memcpy", "gpu_memset")  # a GPU trace's device rows
+SAVE_SPAN = "checkpoint save"  # shared/profiling.py's (a test keeps them the same): this tool imports no torch
 
 
 def host_steps(events):
     """The host's ProfilerStep#N spans (not their copies on the device's rows)."""
     return [event for event in events if event.get("cat") == "user_annotation" and event["name"].startswith("ProfilerStep#")]
+
+
+def training_step(step, host, main):
+    """A ProfilerStep span's host events, those of its main thread, its forward and its backward's (start, end); None where
+    it is not one training step: it held an evaluation's forwards too, a checkpoint's save, or no training."""
+    start, end = step["ts"], step["ts"] + step["dur"]
+    inside = [event for event in host if start <= event["ts"] < end]
+    on_main = [event for event in inside if event["tid"] == main]
+    forwards = [event for event in on_main if event["name"] == "DistributedDataParallel.forward"] or [
+        event for event in on_main if event["name"] == "forward"]
+    backward = backward_span(inside)
+    if len(forwards) != 1 or backward is None or any(event["name"] == SAVE_SPAN for event in on_main):
+        return None
+    return inside, on_main, forwards[0], backward
 
 
 def backward_span(events):
@@ -74,20 +89,16 @@ def step_time(trace):
         on_device[event["name"]] = (min(first, event["ts"]), max(last, event["ts"] + event["dur"]))
     totals, left_out = {}, 0
     for step in steps:
+        if (trained := training_step(step, host, main)) is None:
+            left_out += 1
+            continue
+        inside, on_main, forward, backward = trained
         start, end = step["ts"], step["ts"] + step["dur"]
-        inside = [event for event in host if start <= event["ts"] < end]
-        on_main = [event for event in inside if event["tid"] == main]
 
         def total(prefix):
             return sum(event["dur"] for event in on_main if event["name"].startswith(prefix))
 
-        forwards = [event for event in on_main if event["name"] == "DistributedDataParallel.forward"] or [
-            event for event in on_main if event["name"] == "forward"]
-        backward = backward_span(inside)
-        if len(forwards) != 1 or backward is None:  # an evaluation's forwards too, or no training: not a training step
-            left_out += 1
-            continue
-        phases = {"forward": forwards[0]["dur"], "backward": backward[1] - backward[0],
+        phases = {"forward": forward["dur"], "backward": backward[1] - backward[0],
                   "optimizer": total("Optimizer.step#") + total("Optimizer.zero_grad#")}
         if kernels:  # the device timeline of this step: its kernels, where Kineto marked the step on the device
             device_start, device_end = on_device.get(step["name"], (start, end))
@@ -118,7 +129,7 @@ def step_time(trace):
 def table(rows, folder):
     """The rows of step_time as a table, one line per process."""
     columns = ("step",) + HOST_PHASES + ("all-reduce under backward",) + (("device busy",) if "device busy" in rows[0] else ())
-    left_out = f", {rows[0]['left out']} more left out that held an evaluation or no training" if rows[0]["left out"] else ""
+    left_out = f", {rows[0]['left out']} more left out that held an evaluation, a checkpoint's save or no training" if rows[0]["left out"] else ""
     lines = [f"Where a step's time went, ms per step over {rows[0]['steps']} profiled training steps{left_out} (traces in {folder}; "
              f"the all-reduce columns from the {rows[0]['timeline']} timeline):",
              "| process | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
