@@ -182,7 +182,7 @@ class TorchrunLog(logging.Handler):
         """What the launch was doing while `waiting`, for end_while_waiting's line."""
         if self.machines > 1:
             return "the launch waited for the other machines, with no training process running here"
-        return "the launch started its training processes, none of them running yet"
+        return "the launch was starting its training processes, none of them running yet"
 
 
 def stopped(what, exitcode):

@@ -280,7 +280,7 @@ def loading(path, accelerator, position=None):
 
 
 def _sharded_load_error():
-    """torch's CheckpointException, a BaseException of FSDP's sharded load, once that has imported it (1.4 s at each start)."""
+    """torch's CheckpointException, a BaseException of FSDP's sharded load, once that has imported it (1.4 s of --help's start)."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return api.CheckpointException if api else Exception
 

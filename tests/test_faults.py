@@ -137,7 +137,7 @@ def test_a_signal_before_any_process_starts_names_what_the_launch_waited_for():
     waiting for: the other machines, or on one machine its own processes. Before, one machine's said the other machines."""
     launch = load_script_module(LAUNCH)
     assert launch.TorchrunLog(machines=2).while_waiting() == "the launch waited for the other machines, with no training process running here"
-    assert launch.TorchrunLog(machines=1).while_waiting() == "the launch started its training processes, none of them running yet"
+    assert launch.TorchrunLog(machines=1).while_waiting() == "the launch was starting its training processes, none of them running yet"
 
 
 def test_a_signal_that_lands_in_the_launchers_log_handler_still_reaches_torchrun(monkeypatch):

@@ -247,6 +247,16 @@ def test_the_trace_tools_answer_a_trace_cut_short_in_one_sentence(tmp_path):
             result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)
             assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
             assert result.stderr.count("error: ") == 1 and sentence in result.stderr, result.stderr
+    # Every recorded step held a checkpoint's save (--checkpointing_steps 1): the run was long enough, its steps not alone.
+    saving = gpu_shaped_trace()
+    for step in [event for event in saving["traceEvents"] if event["cat"] == "user_annotation" and event["name"].startswith("ProfilerStep#")]:
+        saving["traceEvents"].append({**step, "name": profiling.SAVE_SPAN, "ts": step["ts"] + 9_000, "dur": 500})
+    (tmp_path / "profile" / "trace_rank0.json").write_text(json.dumps(saving))
+    for tool, where in (("step_time.py", tmp_path / "profile"), ("plot_trace.py", tmp_path / "profile" / "trace_rank0.json")):
+        result = run([sys.executable, TOOLS / tool, tmp_path / "profile"], cwd=tmp_path, check=False)
+        assert result.returncode == 1 and result.stderr.splitlines() == [
+            f"error: every step recorded in {where} also held an evaluation, a checkpoint's save or no training: profile again "
+            "with checkpoints further apart (--checkpointing_steps) or longer epochs, so that steps 8 to 12 train alone."], result.stderr
     # A folder without traces; a table whose step_time.json cannot be written (a folder of that name).
     (tmp_path / "profile" / "trace_rank0.json").unlink()
     result = run([sys.executable, TOOLS / "plot_trace.py", tmp_path / "profile"], cwd=tmp_path, check=False)

@@ -14,20 +14,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from step_time import DEVICE_CATEGORIES, backward_span, host_steps, read_trace, trace_files, training_step
+from step_time import DEVICE_CATEGORIES, backward_span, host_steps, none_trained_alone, read_trace, trace_files, training_step
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
 
-def last_step(trace):
+def last_step(trace, path="a trace"):
     """The duration of the trace's last training step and the spans to draw in it, in ms from its start."""
     # The host's events: on a GPU, Kineto repeats forward's and the optimizer's annotations on the device's rows.
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and event.get("cat") not in DEVICE_CATEGORIES]
     steps = host_steps(events)
+    if not steps:
+        sys.exit(f"error: {path} holds no recorded step: pass the profile folder of a run trained with --profile long enough to "
+                 "record its steps.")
     trained = [step for step in steps if training_step(step, events, steps[0]["tid"])]  # not the run's end, an evaluation, a save
     if not trained:
-        sys.exit("error: a trace holds no recorded training step: pass the profile folder of a run trained with --profile long "
-                 "enough to record its steps.")
+        sys.exit(none_trained_alone(path))
     step = max(trained, key=lambda event: event["ts"])
     start, end = step["ts"], step["ts"] + step["dur"]
     inside = [event for event in events if start <= event["ts"] < end]
@@ -65,7 +67,7 @@ def main():
 
     figure, axes = plt.subplots(len(traces), 1, figsize=(12, 1.6 * len(traces) + 0.6), squeeze=False)
     for axis, path in zip(axes[:, 0], traces):
-        length, phases = last_step(read_trace(path))
+        length, phases = last_step(read_trace(path), path)
         for row, names in ((1, ("forward", "backward", "optimizer")), (0, ("all-reduce",))):
             for name in names:
                 axis.broken_barh(phases[name], (row - 0.35, 0.7), color=COLORS[name], label=name)

@@ -39,6 +39,12 @@ def host_steps(events):
     return [event for event in events if event.get("cat") == "user_annotation" and event["name"].startswith("ProfilerStep#")]
 
 
+def none_trained_alone(where):
+    """The sentence for traces whose every recorded step also held an evaluation or a save (--checkpointing_steps 1, say)."""
+    return (f"error: every step recorded in {where} also held an evaluation, a checkpoint's save or no training: profile again "
+            "with checkpoints further apart (--checkpointing_steps) or longer epochs, so that steps 8 to 12 train alone.")
+
+
 def training_step(step, host, main):
     """A ProfilerStep span's host events, those of its main thread, its forward and its backward's (start, end); None where
     it is not one training step: it held an evaluation's forwards too, a checkpoint's save, or no training."""
@@ -163,9 +169,11 @@ def main():
     parser.add_argument("folder", type=Path, help="the profile folder of a run that --profile recorded (<output_dir>/profile)")
     folder = parser.parse_args().folder
     rows = [{"process": rank_of(path), **step_time(read_trace(path))} for path in trace_files(folder)]
-    if not rows or not all(row["steps"] for row in rows):
+    if not rows or not all(row["steps"] or row["left out"] for row in rows):
         sys.exit(f"error: {folder} holds no trace_rank*.json, or one without a recorded step: pass the profile folder of a run "
                  "trained with --profile long enough to record its steps.")
+    if not all(row["steps"] for row in rows):
+        sys.exit(none_trained_alone(folder))
     try:
         (folder / "step_time.json").write_text(json.dumps(rows, indent=1))
     except OSError as error:
