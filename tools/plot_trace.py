@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from step_time import DEVICE_CATEGORIES, backward_span, host_steps, none_trained_alone, read_trace, trace_files, training_step
+from step_time import DEVICE_CATEGORIES, host_steps, none_trained_alone, read_trace, trace_files, training_step
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "all-reduce": "tab:green", "optimizer": "tab:purple"}
 
@@ -27,22 +27,19 @@ def last_step(trace, path="a trace"):
     if not steps:
         sys.exit(f"error: {path} holds no recorded step: pass the profile folder of a run trained with --profile long enough to "
                  "record its steps.")
-    trained = [step for step in steps if training_step(step, events, steps[0]["tid"])]  # not the run's end, an evaluation, a save
+    # Not the run's end, nor one that held an evaluation or a save: what step_time.py counts.
+    trained = [(step, parts) for step in steps if (parts := training_step(step, events, steps[0]["tid"]))]
     if not trained:
         sys.exit(none_trained_alone(path))
-    step = max(trained, key=lambda event: event["ts"])
-    start, end = step["ts"], step["ts"] + step["dur"]
-    inside = [event for event in events if start <= event["ts"] < end]
+    step, (inside, _, forward, autograd) = max(trained, key=lambda trained_step: trained_step[0]["ts"])
+    start = step["ts"]
 
     def spans(test):
         return [((event["ts"] - start) / 1000, event["dur"] / 1000) for event in inside if test(event["name"])]
 
-    autograd = backward_span(inside)
-    backward = [((autograd[0] - start) / 1000, (autograd[1] - autograd[0]) / 1000)] if autograd else []
-    forward = spans(lambda name: name == "DistributedDataParallel.forward") or spans(lambda name: name == "forward")
     return step["dur"] / 1000, {
-        "forward": forward,
-        "backward": backward,
+        "forward": [((forward["ts"] - start) / 1000, forward["dur"] / 1000)],
+        "backward": [((autograd[0] - start) / 1000, (autograd[1] - autograd[0]) / 1000)],
         "optimizer": spans(lambda name: name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))),
         "all-reduce": spans(lambda name: name in ("gloo:all_reduce", "nccl:all_reduce")),
     }
